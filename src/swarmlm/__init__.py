@@ -1,0 +1,1 @@
+"""swarmlm: run and fine-tune large language models over a swarm of servers."""

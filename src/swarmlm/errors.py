@@ -1,0 +1,54 @@
+"""The exceptions swarmlm raises: one small hierarchy so callers can catch what they can handle."""
+
+
+class SwarmError(Exception):
+    """Base class of every error raised by swarmlm."""
+
+
+class ModelLoadError(SwarmError):
+    """A model could not be found, converted or read."""
+
+
+class MissingBlocksError(SwarmError):
+    """No server in the swarm covers some blocks, even after waiting."""
+
+    def __init__(self, missing: list[int], waited_s: float):
+        self.missing = list(missing)
+        self.waited_s = waited_s
+        super().__init__(
+            f"No server serves block(s) {_format_ranges(self.missing)} (waited {waited_s:.1f} s). "
+            f"Start a server for them, e.g. `swarmlm serve MODEL --blocks {self.missing[0]}:{self.missing[-1] + 1} "
+            f"--initial-peers ...`"
+        )
+
+
+class ProtocolError(SwarmError):
+    """A message on the wire is malformed, of an unknown version, or violates the server's limits."""
+
+
+class RemoteCallError(SwarmError):
+    """A call to a server failed: connection error, timeout or an error reply."""
+
+    def __init__(self, message: str, peer_id: str | None = None):
+        self.peer_id = peer_id
+        super().__init__(message if peer_id is None else f"{message} (peer ...{peer_id[-6:]})")
+
+
+class BadRequestError(RemoteCallError):
+    """A server rejected the request itself as invalid: retrying on another server would not help."""
+
+
+class SessionClosedError(SwarmError):
+    """An operation was attempted on a session that is already closed."""
+
+
+def _format_ranges(indices: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    parts, start = [], None
+    for i, idx in enumerate(indices):
+        if start is None:
+            start = idx
+        if i + 1 == len(indices) or indices[i + 1] != idx + 1:
+            parts.append(str(start) if start == idx else f"{start}-{idx}")
+            start = None
+    return ", ".join(parts)
