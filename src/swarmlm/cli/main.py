@@ -1,0 +1,111 @@
+"""The `swarmlm` command: argparse -> config -> objects. The only place that reads the environment."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from swarmlm.config import ServerConfig
+from swarmlm.errors import SwarmError
+from swarmlm.models.loading import DEFAULT_MODEL
+
+
+def parse_blocks(text: str) -> tuple[int, int]:
+    try:
+        start, end = (int(part) for part in text.split(":"))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--blocks takes START:END (e.g. 0:15), not {text!r}") from e
+    if not 0 <= start < end:
+        raise argparse.ArgumentTypeError(f"--blocks {text}: need 0 <= START < END")
+    return start, end
+
+
+def _add_network_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR", help="multiaddrs of swarm peers")
+    parser.add_argument("--host", default="0.0.0.0", help="interface to listen on (default: all)")
+    parser.add_argument("--port", type=int, default=0, help="TCP port to listen on (default: any free port)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="swarmlm", description="Run large language models over a swarm of servers")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="serve a span of a model's blocks")
+    serve.add_argument("model", help=f"model name ({DEFAULT_MODEL}), .gguf file or Hugging Face folder")
+    serve.add_argument("--blocks", type=parse_blocks, required=True, metavar="START:END", help="blocks to serve")
+    serve.add_argument("--new-swarm", action="store_true", help="start a new swarm instead of joining one")
+    _add_network_args(serve)
+    serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    serve.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    serve.add_argument("--dht-prefix", default=None, help="swarm name (default: derived from the model)")
+    serve.add_argument("--cache-dir", default=None, help="where converted models are kept (default ~/.cache/swarmlm)")
+    serve.add_argument("--max-tokens-per-request", type=int, default=ServerConfig.max_tokens_per_request)
+    serve.add_argument("--num-threads", type=int, default=None, help="torch compute threads")
+
+    dht = sub.add_parser("dht", help="run a bootstrap-only DHT node that others join")
+    _add_network_args(dht)
+
+    demo = sub.add_parser("demo", help="start a local swarm and chat with the bundled model")
+    demo.add_argument("--prompt", default="What is the capital of France?", help="what to ask")
+    demo.add_argument("--servers", type=int, default=2, help="how many local servers split the model")
+    demo.add_argument("--max-new-tokens", type=int, default=64)
+    demo.add_argument("--model", default=DEFAULT_MODEL, help="model to serve and chat with")
+    return parser
+
+
+def _serve(args: argparse.Namespace) -> None:
+    from swarmlm.server.server import Server
+
+    config = ServerConfig(
+        model=args.model,
+        start_block=args.blocks[0],
+        end_block=args.blocks[1],
+        initial_peers=tuple(args.initial_peers),
+        new_swarm=args.new_swarm,
+        host=args.host,
+        port=args.port,
+        dtype=args.dtype,
+        device=args.device,
+        dht_prefix=args.dht_prefix,
+        cache_dir=args.cache_dir,
+        max_tokens_per_request=args.max_tokens_per_request,
+        num_threads=args.num_threads,
+    )
+    Server(config).run()
+
+
+def _dht(args: argparse.Namespace) -> None:
+    from swarmlm.swarm.bootstrap import run_bootstrap
+
+    run_bootstrap(tuple(args.initial_peers), args.host, args.port)
+
+
+def _demo(args: argparse.Namespace) -> None:
+    from swarmlm.demo import run_demo
+
+    run_demo(prompt=args.prompt, num_servers=args.servers, max_new_tokens=args.max_new_tokens, model=args.model)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    if not args.verbose:
+        logging.getLogger("hivemind").setLevel(logging.WARNING)
+    try:
+        {"serve": _serve, "dht": _dht, "demo": _demo}[args.command](args)
+    except SwarmError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

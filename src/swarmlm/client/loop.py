@@ -1,0 +1,37 @@
+"""The client's own event loop, on a thread it owns: the one sync edge between PyTorch code and async networking."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class LoopThread:
+    """An asyncio loop running on a daemon thread; `run()` submits a coroutine and waits for its result."""
+
+    def __init__(self, name: str = "swarmlm-client"):
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._thread.start()
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+        self.loop.close()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("LoopThread.run() called from its own loop: await the coroutine instead")
+        if self.loop.is_closed() or not self._thread.is_alive():
+            coro.close()
+            raise RuntimeError("the client's event loop is closed")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=5)

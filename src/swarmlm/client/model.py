@@ -1,0 +1,133 @@
+"""Hugging Face causal LMs whose decoder blocks live in the swarm: embeddings, norm and head stay local."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import fields
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from swarmlm.client.remote_sequential import RemoteSequential, SwarmClient
+from swarmlm.config import ClientConfig
+from swarmlm.errors import ModelLoadError
+from swarmlm.models.loading import load_config, load_tensors, resolve_model
+from swarmlm.models.naming import default_dht_prefix
+from swarmlm.models.registry import ModelFamily, get_family
+
+logger = logging.getLogger(__name__)
+
+
+class DistributedCausalLMMixin:
+    """Mixed into a family's HF causal LM class: its `model.layers` is a RemoteSequential."""
+
+    family: ModelFamily
+
+    @classmethod
+    def from_pretrained(  # type: ignore[override]
+        cls,
+        model: str | os.PathLike,
+        *,
+        initial_peers: list[str] | tuple[str, ...] = (),
+        dtype: torch.dtype = torch.float32,
+        cache_dir: str | os.PathLike | None = None,
+        **client_options: Any,
+    ) -> PreTrainedModel:
+        """Load the local parts of `model` (a name, .gguf or HF folder) and connect to the swarm serving its blocks.
+
+        client_options are ClientConfig fields (dht_prefix, max_tokens_per_request, request_timeout_s, ...).
+        """
+        known = {f.name for f in fields(ClientConfig)} - {"initial_peers"}
+        unknown = set(client_options) - known
+        if unknown:
+            raise TypeError(f"unknown option(s) {sorted(unknown)}; client options are {sorted(known)}")
+        model_dir = resolve_model(model, cache_dir=cache_dir)
+        config = load_config(model_dir)
+        family = get_family(config)
+        distributed_cls = cls if hasattr(cls, "family") else distributed_class(family)
+        if distributed_cls.family is not family:
+            raise ModelLoadError(f"{cls.__name__} cannot load a {config.model_type!r} model")
+        options = {"dht_prefix": default_dht_prefix(model), **client_options}
+        client_config = ClientConfig(initial_peers=tuple(initial_peers), **options)
+        with torch.device("meta"):
+            instance = distributed_cls(config)
+        instance._load_local_parts(model_dir, dtype)
+        client = SwarmClient(client_config, options["dht_prefix"], config.num_hidden_layers)
+        instance.model.layers = RemoteSequential(client)
+        return instance
+
+    def _load_local_parts(self, model_dir: os.PathLike, dtype: torch.dtype) -> None:
+        tensors = load_tensors(model_dir, self.family.client_tensor_prefixes, dtype=dtype)
+        missing, unexpected = self.load_state_dict(tensors, strict=False, assign=True)
+        if unexpected:
+            raise ModelLoadError(f"unexpected tensors {unexpected[:5]} in {model_dir}")
+        head = f"{self.family.head_name}.weight"
+        if head not in tensors:
+            if not self.config.tie_word_embeddings:
+                raise ModelLoadError(f"{model_dir} has no {head} and does not tie embeddings")
+            self.get_submodule(self.family.head_name).weight = self.get_submodule(self.family.embed_name).weight
+        # the rotary embedding runs on the servers; rebuild it off the meta device so .to() works
+        self.model.rotary_emb = self.family.rotary_class(self.config)
+        self.model.layers = torch.nn.ModuleList()  # the meta-device blocks are never used
+        self.requires_grad_(False)
+        self.eval()
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs: Any,
+    ) -> CausalLMOutputWithPast:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("give exactly one of input_ids and inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.get_submodule(self.family.embed_name)(input_ids)
+        if attention_mask is not None and bool(attention_mask.all()):
+            attention_mask = None  # the servers' default; saves sending it
+        hidden = self.model.layers(inputs_embeds, attention_mask=attention_mask, position_ids=position_ids)
+        hidden = self.get_submodule(self.family.norm_name)(hidden.to(inputs_embeds.dtype))
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.get_submodule(self.family.head_name)(hidden[:, keep, :])
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    def close(self) -> None:
+        """Leave the swarm: stop the client's DHT node and event loop."""
+        layers = self.model.layers
+        if isinstance(layers, RemoteSequential):
+            layers.client.close()
+
+    def __enter__(self) -> DistributedCausalLMMixin:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_CLASSES: dict[str, type] = {}
+
+
+def distributed_class(family: ModelFamily) -> type:
+    """The Distributed<Family>ForCausalLM class of a family (e.g. DistributedLlamaForCausalLM), made once."""
+    if family.model_type not in _CLASSES:
+        base = family.causal_lm_class
+        name = f"Distributed{base.__name__}"
+        _CLASSES[family.model_type] = type(name, (DistributedCausalLMMixin, base), {"family": family})
+    return _CLASSES[family.model_type]
+
+
+class AutoDistributedModelForCausalLM:
+    """Picks the distributed class from the model's config, like transformers' AutoModelForCausalLM."""
+
+    @staticmethod
+    def from_pretrained(model: str | os.PathLike, **kwargs: Any) -> PreTrainedModel:
+        return DistributedCausalLMMixin.from_pretrained.__func__(DistributedCausalLMMixin, model, **kwargs)

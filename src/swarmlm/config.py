@@ -1,0 +1,38 @@
+"""Configuration of servers and clients: frozen data, one commented field per line, units in the names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model: str  # model name, .gguf file or Hugging Face folder
+    start_block: int  # first block served
+    end_block: int  # one past the last block served
+    initial_peers: tuple[str, ...] = ()  # multiaddrs of DHT peers to join
+    new_swarm: bool = False  # start a fresh DHT instead of joining one
+    host: str = "0.0.0.0"  # interface to listen on
+    port: int = 0  # TCP port to listen on (0: any free port)
+    dtype: str = "float32"  # compute dtype of the blocks: float32 | bfloat16 | float16
+    device: str = "cpu"  # torch device of the blocks
+    dht_prefix: str | None = None  # name the swarm's records live under (default: derived from the model)
+    cache_dir: str | None = None  # where converted models are kept (default: ~/.cache/swarmlm)
+    max_tokens_per_request: int = 8192  # batch * sequence tokens one request may carry
+    request_timeout_s: float = 60.0  # longest a request may take to arrive in full
+    announce_interval_s: float = 10.0  # how often the DHT record is refreshed
+    record_ttl_s: float = 30.0  # how long a record lives without refresh (covers two missed refreshes)
+    num_threads: int | None = None  # torch intra-op threads for compute (default: torch's choice)
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    initial_peers: tuple[str, ...] = ()  # multiaddrs of DHT peers to join
+    dht_prefix: str | None = None  # name the swarm's records live under (default: derived from the model)
+    max_tokens_per_request: int = 1024  # bigger batches are split into concurrent sub-batches of this many tokens
+    request_timeout_s: float = 60.0  # a span call taking longer counts as a server failure
+    missing_blocks_timeout_s: float = 30.0  # how long to wait for a server to cover a block before giving up
+    max_retries: int = 10  # failed span calls tolerated per request before the error is raised
+    ban_base_s: float = 1.0  # first ban of a failed server; doubles on each further failure
+    ban_max_s: float = 60.0  # longest ban
+    swarm_refresh_interval_s: float = 5.0  # how often the swarm view is re-read from the DHT in the background

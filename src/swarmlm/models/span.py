@@ -1,0 +1,92 @@
+"""A contiguous span of decoder blocks, run exactly as the local Hugging Face model runs them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.masking_utils import create_causal_mask
+
+from swarmlm.errors import ModelLoadError
+from swarmlm.models.loading import load_config, load_tensors
+from swarmlm.models.registry import ModelFamily, get_family
+
+
+class SpanModel(nn.Module):
+    """Blocks [start, end) of a decoder, with the rotary embedding they need; holds no other weights."""
+
+    def __init__(self, config: PretrainedConfig, start: int, end: int):
+        super().__init__()
+        if not 0 <= start < end <= config.num_hidden_layers:
+            raise ValueError(f"span {start}:{end} is outside the model's {config.num_hidden_layers} blocks")
+        self.config, self.start, self.end = config, start, end
+        self.family: ModelFamily = get_family(config)
+        # layers keep their global index: caches and masks are addressed by it
+        self.layers = nn.ModuleList(self.family.block_class(config, layer_idx=i) for i in range(start, end))
+        self.rotary = self.family.rotary_class(config)
+
+    @classmethod
+    def from_dir(
+        cls, model_dir: Path, start: int, end: int, dtype: torch.dtype = torch.float32, device: str = "cpu"
+    ) -> SpanModel:
+        """Build the span and read only its own blocks' tensors from disk."""
+        config = load_config(model_dir)
+        with torch.device("meta"):
+            span = cls(config, start, end)
+        prefixes = [span.family.block_tensor_prefix(i) for i in range(start, end)]
+        tensors = load_tensors(model_dir, prefixes, dtype=dtype)
+        state = {}
+        for name, tensor in tensors.items():
+            index, rest = name[len(span.family.block_prefix) :].split(".", 1)
+            state[f"layers.{int(index) - start}.{rest}"] = tensor
+        missing, unexpected = span.load_state_dict(state, strict=False, assign=True)
+        if missing or unexpected:
+            raise ModelLoadError(
+                f"{model_dir}: blocks {start}:{end} miss tensors {missing[:5]}, have unexpected {unexpected[:5]}"
+            )
+        # rotary frequencies are not in checkpoints: rebuild them off the meta device, kept in float32 for precision
+        span.rotary = span.family.rotary_class(config).to(device)
+        span.layers.to(device=device, dtype=dtype)
+        return span.eval()
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        *,
+        start: int | None = None,
+        end: int | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache: object | None = None,
+    ) -> torch.Tensor:
+        """Run blocks [start, end) (default: the whole span) over hidden (batch, seq, hidden).
+
+        attention_mask (batch, past + seq) and position_ids (batch, seq) follow the Hugging Face conventions;
+        position_ids default to past + arange(seq), like the local model.
+        """
+        start = self.start if start is None else start
+        end = self.end if end is None else end
+        past = cache.get_seq_length(start) if cache is not None else 0
+        if position_ids is None:
+            position_ids = (torch.arange(hidden.shape[1], device=hidden.device) + past).unsqueeze(0)
+        mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=hidden,
+            attention_mask=attention_mask,
+            cache=cache,
+            position_ids=position_ids,
+            layer_idx=start,
+        )
+        position_embeddings = self.rotary(hidden, position_ids)
+        for layer in self.layers[start - self.start : end - self.start]:
+            hidden = layer(
+                hidden,
+                attention_mask=mask,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=cache is not None,
+                position_embeddings=position_embeddings,
+            )
+        return hidden

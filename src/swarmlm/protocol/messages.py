@@ -1,0 +1,67 @@
+"""Typed, versioned headers of every message on the wire; unknown fields and versions are rejected."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from swarmlm.errors import ProtocolError
+
+# Bumped on any incompatible change of a header or of the tensors that follow it.
+PROTOCOL_VERSION = 1
+
+
+class _Header(BaseModel):
+    """Base of all headers: strict (no type coercion), frozen, and unknown fields are an error."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    protocol_version: int = PROTOCOL_VERSION
+
+
+class ForwardRequest(_Header):
+    """Run blocks [start_block, end_block) of the server's span over the hidden states that follow.
+
+    Tensors, in order: hidden_states (batch, seq, hidden); then, if has_attention_mask, attention_mask
+    (batch, past + seq) of 0/1 int64; then, if has_position_ids, position_ids (batch, seq) int64.
+    """
+
+    kind: Literal["forward"] = "forward"
+    start_block: int = Field(ge=0)
+    end_block: int = Field(ge=1)
+    has_attention_mask: bool = False
+    has_position_ids: bool = False
+
+
+class ReplyHeader(_Header):
+    """The answer to a request: either tensors follow (ok) or an error explains what went wrong.
+
+    error_kind "bad_request" means the request itself is invalid (another server would reject it too);
+    "server" means this server failed to serve it (the client may retry elsewhere).
+    """
+
+    ok: bool
+    error: str | None = None
+    error_kind: Literal["bad_request", "server"] | None = None
+    compute_ms: float = 0.0
+
+
+REQUEST_TYPES: dict[str, type[_Header]] = {"forward": ForwardRequest}
+
+
+def parse_header(data: dict[str, object], expected: type[_Header]) -> _Header:
+    """Validate a decoded header dict; raise ProtocolError with a readable reason on any mismatch."""
+    if not isinstance(data, dict):
+        raise ProtocolError(f"header must be a mapping, got {type(data).__name__}")
+    version = data.get("protocol_version")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"unsupported protocol version {version!r}: this peer speaks version {PROTOCOL_VERSION}; "
+            f"upgrade swarmlm on the older side"
+        )
+    try:
+        return expected.model_validate(data)
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or 'header'}: {err['msg']}" for err in e.errors())
+        raise ProtocolError(f"malformed {expected.__name__}: {problems}") from e

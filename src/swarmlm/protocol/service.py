@@ -1,0 +1,34 @@
+"""The RPC schema of a server: method names and their streamed message types. Clients take stubs from here;
+servers register their implementation under these names."""
+
+from __future__ import annotations
+
+# hivemind recognizes streaming methods by typing.AsyncIterator hints only (not collections.abc's)
+from typing import AsyncIterator  # noqa: UP035
+
+from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
+from hivemind.p2p.servicer import StubBase
+from hivemind.proto import runtime_pb2
+
+
+class SpanService(ServicerBase):
+    """Each method takes a stream of request parts (one message, see protocol.codec) and streams back one reply."""
+
+    async def rpc_forward(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        raise NotImplementedError("served by swarmlm.server.handler.SpanHandler")
+        yield  # pragma: no cover - makes this an async generator, like the implementation
+
+
+async def register(p2p: P2P, implementation: object) -> None:
+    """Serve the methods of `implementation` under SpanService's names."""
+    await SpanService().add_p2p_handlers(p2p, wrapper=implementation)
+
+
+async def unregister(p2p: P2P) -> None:
+    await SpanService().remove_p2p_handlers(p2p)
+
+
+def stub(p2p: P2P, peer: PeerID) -> StubBase:
+    return SpanService.get_stub(p2p, peer)

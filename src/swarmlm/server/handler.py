@@ -1,0 +1,70 @@
+"""The RPC surface of a server: parse and validate, hand to the backend, answer; nothing here touches weights."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from hivemind.p2p import P2PContext
+from hivemind.proto import runtime_pb2
+
+from swarmlm.errors import ProtocolError
+from swarmlm.protocol.codec import encode, read_message
+from swarmlm.protocol.messages import ForwardRequest, ReplyHeader
+from swarmlm.server.backend import SpanBackend
+from swarmlm.server.validation import check_forward
+
+logger = logging.getLogger(__name__)
+
+# bytes per token of the largest hidden-state dtype, plus room for masks and positions
+_BYTES_PER_HIDDEN_VALUE = 4
+
+
+class SpanHandler:
+    """Implements protocol.service.SpanService for the span served by `backend`."""
+
+    def __init__(self, backend: SpanBackend, request_timeout_s: float):
+        self.backend = backend
+        self.request_timeout_s = request_timeout_s
+        limits = backend.limits
+        self.max_request_bytes = limits.max_tokens * (limits.hidden_size * _BYTES_PER_HIDDEN_VALUE + 16) + 4096
+        self.served = 0  # requests answered successfully
+        self.rejected = 0  # requests refused as bad or failed on this server
+
+    async def rpc_forward(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        began = time.perf_counter()
+        peer = str(context.remote_id)[-6:]
+        try:
+            message = await asyncio.wait_for(
+                read_message(requests, ForwardRequest, max_bytes=self.max_request_bytes),
+                timeout=self.request_timeout_s,
+            )
+            if message is None:
+                raise ProtocolError("empty request stream")
+            header, tensors = message
+            inputs = check_forward(header, tensors, self.backend.limits)
+            out, compute_ms = await self.backend.forward(header.start_block, header.end_block, inputs)
+            reply, outputs = ReplyHeader(ok=True, compute_ms=compute_ms), [out]
+            self.served += 1
+            logger.info(
+                "forward blocks=%d:%d tokens=%d peer=...%s %.1f ms",
+                header.start_block,
+                header.end_block,
+                inputs.hidden.shape[0] * inputs.hidden.shape[1],
+                peer,
+                (time.perf_counter() - began) * 1000,
+            )
+        except ProtocolError as e:
+            self.rejected += 1
+            logger.warning("forward rejected peer=...%s: %s", peer, e)
+            reply, outputs = ReplyHeader(ok=False, error=str(e), error_kind="bad_request"), []
+        except Exception as e:  # noqa: BLE001 - any failure must become an error reply, never a dead server
+            self.rejected += 1
+            logger.exception("forward failed peer=...%s", peer)
+            reply, outputs = ReplyHeader(ok=False, error=f"{type(e).__name__}: {e}", error_kind="server"), []
+        for part in encode(reply, outputs, runtime_pb2.ExpertResponse):
+            yield part

@@ -1,0 +1,106 @@
+"""A server's life: load its span, join the swarm, announce itself, serve until told to stop, leave cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+
+import hivemind
+import torch
+
+from swarmlm.config import ServerConfig
+from swarmlm.errors import SwarmError
+from swarmlm.models.loading import load_config, resolve_model
+from swarmlm.models.naming import default_dht_prefix
+from swarmlm.models.span import SpanModel
+from swarmlm.protocol import service
+from swarmlm.server.backend import SpanBackend
+from swarmlm.server.handler import SpanHandler
+from swarmlm.swarm.dht import start_dht, visible_maddrs
+from swarmlm.swarm.records import ServerRecord, ServerState, announce
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# an offline record only needs to outlive clients' next refresh of the swarm view
+OFFLINE_RECORD_TTL_S = 15.0
+
+
+class Server:
+    """Serves blocks [start_block, end_block) of one model; `run()` blocks until SIGINT/SIGTERM."""
+
+    def __init__(self, config: ServerConfig):
+        self.config = config
+        if config.dtype not in DTYPES:
+            raise SwarmError(f"--dtype must be one of {', '.join(DTYPES)}, not {config.dtype!r}")
+        if not config.new_swarm and not config.initial_peers:
+            raise SwarmError("give --initial-peers to join a swarm, or --new-swarm to start one")
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.dht_prefix = config.dht_prefix or default_dht_prefix(config.model)
+        model_dir = resolve_model(config.model, cache_dir=config.cache_dir)
+        num_blocks = load_config(model_dir).num_hidden_layers
+        if not 0 <= config.start_block < config.end_block <= num_blocks:
+            raise SwarmError(
+                f"--blocks {config.start_block}:{config.end_block} is outside the model's blocks 0:{num_blocks}"
+            )
+        logger.info("Loading blocks %d:%d of %s", config.start_block, config.end_block, model_dir)
+        span = SpanModel.from_dir(model_dir, config.start_block, config.end_block, DTYPES[config.dtype], config.device)
+        self.backend = SpanBackend(span, DTYPES[config.dtype], config.device, config.max_tokens_per_request)
+        self.throughput = self.backend.measure_throughput()
+        self.dht: hivemind.DHT | None = None
+
+    def run(self) -> None:
+        self.dht = start_dht(
+            () if self.config.new_swarm else self.config.initial_peers, host=self.config.host, port=self.config.port
+        )
+        try:
+            asyncio.run(self._serve())
+        finally:
+            self.backend.shutdown()
+            self.dht.shutdown()
+            logger.info("Server stopped")
+
+    def _record(self, state: ServerState, addrs: list[str]) -> ServerRecord:
+        return ServerRecord(
+            state=state,
+            start=self.config.start_block,
+            end=self.config.end_block,
+            throughput=self.throughput,
+            dtype=self.config.dtype,
+            addrs=tuple(addrs),
+        )
+
+    async def _serve(self) -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        p2p = await self.dht.replicate_p2p()
+        servicer = SpanHandler(self.backend, self.config.request_timeout_s)
+        await service.register(p2p, servicer)
+        peer_id, addrs = p2p.peer_id.to_base58(), visible_maddrs(self.dht)
+        cfg = self.config
+        await announce(self.dht, self.dht_prefix, peer_id, self._record(ServerState.ONLINE, addrs), cfg.record_ttl_s)
+        print(
+            f"Serving blocks {cfg.start_block}:{cfg.end_block} of {cfg.model} as swarm {self.dht_prefix!r}, "
+            f"{self.throughput:.0f} tokens/s per block",
+            flush=True,
+        )
+        print("Others join with: --initial-peers " + " ".join(addrs), flush=True)
+        print(f"Server ready: peer {peer_id}", flush=True)
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=cfg.announce_interval_s)
+            except TimeoutError:
+                record = self._record(ServerState.ONLINE, addrs)
+                if not await announce(self.dht, self.dht_prefix, peer_id, record, cfg.record_ttl_s):
+                    logger.warning("Refreshing the DHT record failed; retrying in %.0f s", cfg.announce_interval_s)
+        logger.info("Shutting down: announcing offline (served %d requests)", servicer.served)
+        offline = self._record(ServerState.OFFLINE, addrs)
+        await announce(self.dht, self.dht_prefix, peer_id, offline, OFFLINE_RECORD_TTL_S)
+        await service.unregister(p2p)
+        await p2p.shutdown()
+        sys.stdout.flush()

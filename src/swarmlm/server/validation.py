@@ -1,0 +1,86 @@
+"""Checks of everything a request carries, raising ProtocolError with a message the sender can act on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from swarmlm.errors import ProtocolError
+from swarmlm.protocol.messages import ForwardRequest
+
+# dtypes hidden states may arrive in; the server computes in its own dtype and answers in the sender's
+HIDDEN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INDEX_DTYPES = (torch.int64, torch.int32)
+
+
+@dataclass(frozen=True)
+class SpanLimits:
+    start: int  # first block this server serves
+    end: int  # one past its last block
+    hidden_size: int
+    max_tokens: int  # batch * sequence tokens one request may carry
+    max_position: int  # positions must be below this (the model's context)
+
+
+@dataclass(frozen=True)
+class ForwardInputs:
+    hidden: torch.Tensor  # (batch, seq, hidden)
+    attention_mask: torch.Tensor | None  # (batch, seq) of 0/1
+    position_ids: torch.Tensor | None  # (batch, seq)
+
+
+def check_blocks(start: int, end: int, limits: SpanLimits) -> None:
+    if not limits.start <= start < end <= limits.end:
+        raise ProtocolError(
+            f"blocks {start}:{end} are not served here: this server serves {limits.start}:{limits.end}"
+        )
+
+
+def check_hidden(hidden: torch.Tensor, limits: SpanLimits, what: str = "hidden_states") -> None:
+    if hidden.dtype not in HIDDEN_DTYPES:
+        raise ProtocolError(f"{what} must be float32, bfloat16 or float16, not {hidden.dtype}")
+    if hidden.ndim != 3 or hidden.shape[0] < 1 or hidden.shape[1] < 1:
+        raise ProtocolError(f"{what} must have shape (batch, seq, {limits.hidden_size}), got {tuple(hidden.shape)}")
+    if hidden.shape[2] != limits.hidden_size:
+        raise ProtocolError(f"{what} has hidden size {hidden.shape[2]}, this model's is {limits.hidden_size}")
+    tokens = hidden.shape[0] * hidden.shape[1]
+    if tokens > limits.max_tokens:
+        raise ProtocolError(
+            f"{what} carries {tokens} tokens, more than this server's limit of {limits.max_tokens}: split the batch"
+        )
+    if not torch.isfinite(hidden).all():
+        raise ProtocolError(f"{what} contains NaN or infinite values")
+
+
+def _check_index_tensor(tensor: torch.Tensor, shape: tuple[int, ...], what: str) -> None:
+    if tensor.dtype not in INDEX_DTYPES and tensor.dtype != torch.bool:
+        raise ProtocolError(f"{what} must be an integer tensor, not {tensor.dtype}")
+    if tuple(tensor.shape) != shape:
+        raise ProtocolError(f"{what} must have shape {shape}, got {tuple(tensor.shape)}")
+
+
+def check_forward(header: ForwardRequest, tensors: list[torch.Tensor], limits: SpanLimits) -> ForwardInputs:
+    """Validate a stateless forward request and return its typed inputs."""
+    check_blocks(header.start_block, header.end_block, limits)
+    expected = 1 + header.has_attention_mask + header.has_position_ids
+    if len(tensors) != expected:
+        raise ProtocolError(f"forward request declares {expected} tensors but carries {len(tensors)}")
+    hidden = tensors[0]
+    check_hidden(hidden, limits)
+    batch, seq = hidden.shape[:2]
+    mask = positions = None
+    rest = iter(tensors[1:])
+    if header.has_attention_mask:
+        mask = next(rest)
+        _check_index_tensor(mask, (batch, seq), "attention_mask")
+        if not ((mask == 0) | (mask == 1)).all():
+            raise ProtocolError("attention_mask may only hold 0 and 1")
+        mask = mask.to(torch.int64)
+    if header.has_position_ids:
+        positions = next(rest)
+        _check_index_tensor(positions, (batch, seq), "position_ids")
+        if positions.dtype == torch.bool or positions.min() < 0 or positions.max() >= limits.max_position:
+            raise ProtocolError(f"position_ids must lie in [0, {limits.max_position})")
+        positions = positions.to(torch.int64)
+    return ForwardInputs(hidden, mask, positions)

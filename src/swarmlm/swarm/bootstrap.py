@@ -1,0 +1,23 @@
+"""A bootstrap-only DHT node: it stores records and introduces peers, and serves no blocks."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Sequence
+
+from swarmlm.swarm.dht import start_dht, visible_maddrs
+
+
+def run_bootstrap(initial_peers: Sequence[str], host: str, port: int) -> None:
+    """Run until SIGINT/SIGTERM, printing the multiaddrs others join with."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    dht = start_dht(initial_peers, host=host, port=port)
+    try:
+        print("Others join with: --initial-peers " + " ".join(visible_maddrs(dht)), flush=True)
+        print("DHT ready", flush=True)
+        stop.wait()
+    finally:
+        dht.shutdown()

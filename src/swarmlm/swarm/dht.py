@@ -1,0 +1,69 @@
+"""Starting DHT nodes that never outlive their parent, and the multiaddr helpers around them."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+from collections.abc import Sequence
+
+import hivemind
+
+from swarmlm.utils.processes import kill_group_when_orphaned
+
+logger = logging.getLogger(__name__)
+
+
+class ParentBoundDHT(hivemind.DHT):
+    """A hivemind DHT whose background process (and its p2pd) is killed when the creating process dies.
+
+    hivemind's DHT child and its p2pd survive a SIGTERM/SIGKILL of the parent; this one does not.
+    """
+
+    def run(self) -> None:  # runs in the forked child
+        kill_group_when_orphaned(self._bound_parent_pid)
+        super().run()
+
+
+def is_loopback_maddr(maddr: str) -> bool:
+    parts = str(maddr).split("/")
+    try:
+        return len(parts) > 2 and parts[1] in ("ip4", "ip6") and ipaddress.ip_address(parts[2]).is_loopback
+    except ValueError:
+        return False
+
+
+def start_dht(
+    initial_peers: Sequence[str] = (),
+    *,
+    host: str = "0.0.0.0",
+    port: int = 0,
+    client_mode: bool = False,
+) -> ParentBoundDHT:
+    """Start a DHT node; on a loopback host the NAT traversal and relay machinery of p2pd is turned off."""
+    loopback = _is_loopback_host(host)
+    ip = "ip6" if ":" in host else "ip4"
+    kwargs: dict[str, object] = {}
+    if loopback:
+        kwargs = dict(nat_port_map=False, auto_nat=False, use_relay=False, use_auto_relay=False)
+    dht = ParentBoundDHT(
+        initial_peers=list(initial_peers),
+        host_maddrs=[f"/{ip}/{host}/tcp/{port}"],
+        client_mode=client_mode,
+        start=False,
+        **kwargs,
+    )
+    dht._bound_parent_pid = os.getpid()
+    dht.run_in_background(await_ready=True)
+    return dht
+
+
+def _is_loopback_host(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def visible_maddrs(dht: hivemind.DHT) -> list[str]:
+    return [str(addr) for addr in dht.get_visible_maddrs()]

@@ -1,0 +1,56 @@
+"""Every process swarmlm starts dies with its parent, including on SIGKILL of the parent."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+logger = logging.getLogger(__name__)
+
+# prctl option that delivers a signal to a process when the thread that forked it exits (Linux only)
+_PR_SET_PDEATHSIG = 1
+# how often an orphan check runs in processes that cannot use prctl alone
+PARENT_POLL_INTERVAL_S = 0.25
+
+
+def set_parent_death_signal(sig: int = signal.SIGTERM) -> None:
+    """Ask the kernel to send `sig` to this process when its parent dies (no-op off Linux)."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        logger.warning("prctl(PR_SET_PDEATHSIG) failed with errno %d", ctypes.get_errno())
+
+
+def kill_group_when_orphaned(parent_pid: int) -> None:
+    """Make this process lead its own group and kill the whole group (with its children) once orphaned.
+
+    Used in children that start grandchildren we do not control (the DHT process starts p2pd): a parent-death
+    signal would kill only this process and leave p2pd behind.
+    """
+    os.setpgid(0, 0)
+
+    def kill_group(*_: object) -> None:
+        os.killpg(0, signal.SIGKILL)
+
+    signal.signal(signal.SIGTERM, kill_group)
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_POLL_INTERVAL_S)
+        kill_group()
+
+    threading.Thread(target=watch, name="orphan-watch", daemon=True).start()
+
+
+def spawn_bound(args: Sequence[str], **popen_kwargs: object) -> subprocess.Popen:
+    """Popen whose child receives SIGTERM if this process dies; the child then shuts down in order."""
+    # the death signal is tied to the forking thread, so spawn from the thread that will live longest
+    return subprocess.Popen(list(args), preexec_fn=set_parent_death_signal, **popen_kwargs)  # noqa: PLW1509

@@ -1,0 +1,225 @@
+"""Unit tests of route planning over a swarm of servers that each serve a contiguous span of blocks."""
+
+import math
+import random
+
+import pytest
+
+from swarmlm.swarm.routing import (
+    DEFAULT_HOP_COST_S,
+    DEFAULT_LATENCY_S,
+    RouteSpan,
+    ServerView,
+    find_route,
+    missing_blocks,
+)
+
+
+def _sv(peer_id: str, start: int, end: int, throughput: float = 1000.0, latency_s: float | None = None) -> ServerView:
+    return ServerView(peer_id, start, end, throughput, latency_s)
+
+
+def _hop_cost(server: ServerView, blocks: int, tokens: int) -> float:
+    latency = DEFAULT_LATENCY_S if server.latency_s is None else server.latency_s
+    return DEFAULT_HOP_COST_S + latency + blocks * tokens / server.throughput
+
+
+def _route_cost(servers: list[ServerView], route: list[RouteSpan], tokens: int) -> float:
+    # A test swarm has one record per peer, so each hop's server is found by its id.
+    by_peer = {s.peer_id: s for s in servers}
+    return sum(_hop_cost(by_peer[hop.peer_id], hop.end - hop.start, tokens) for hop in route)
+
+
+def _reference_cost(servers: list[ServerView], start: int, end: int, banned: set[str], tokens: int) -> float:
+    """Cheapest route cost by brute force over every (origin, server, target): slow but obviously right."""
+    best = [math.inf] * (end + 1)
+    best[start] = 0.0
+    for i in range(start, end):
+        if math.isinf(best[i]):
+            continue
+        for s in servers:
+            if s.peer_id in banned or not s.start <= i < s.end:
+                continue
+            for j in range(i + 1, min(s.end, end) + 1):
+                best[j] = min(best[j], best[i] + _hop_cost(s, j - i, tokens))
+    return best[end]
+
+
+def _check_route_shape(servers: list[ServerView], route: list[RouteSpan], start: int, end: int, banned: set[str]):
+    by_peer = {s.peer_id: s for s in servers}
+    position = start
+    for index, hop in enumerate(route):
+        assert hop.start == position, f"gap or overlap at {position}: {route}"
+        assert hop.start < hop.end
+        assert hop.peer_id not in banned
+        server = by_peer[hop.peer_id]
+        assert server.start <= hop.start and hop.end <= server.end, f"{hop} outside {server}"
+        if index:
+            assert route[index - 1].peer_id != hop.peer_id, f"unmerged consecutive hops: {route}"
+        position = hop.end
+    assert position == end
+
+
+def test_one_server_covering_all() -> None:
+    assert find_route([_sv("a", 0, 32)], 0, 32) == [RouteSpan("a", 0, 32)]
+
+
+def test_two_servers_splitting() -> None:
+    servers = [_sv("b", 16, 32), _sv("a", 0, 16)]
+    assert find_route(servers, 0, 32) == [RouteSpan("a", 0, 16), RouteSpan("b", 16, 32)]
+
+
+def test_three_servers_in_a_chain() -> None:
+    servers = [_sv("c", 20, 30), _sv("a", 0, 10), _sv("b", 10, 20)]
+    assert find_route(servers, 0, 30) == [RouteSpan("a", 0, 10), RouteSpan("b", 10, 20), RouteSpan("c", 20, 30)]
+
+
+def test_overlap_prefers_two_hops_over_three() -> None:
+    # a,b,c chain the range in three hops; a + wide (10:30) does it in two.
+    servers = [_sv("a", 0, 10), _sv("b", 10, 20), _sv("c", 20, 30), _sv("wide", 5, 30)]
+    route = find_route(servers, 0, 30)
+    assert route is not None and len(route) == 2
+    assert route[0].peer_id == "a" and route[1] == RouteSpan("wide", route[0].end, 30)
+
+
+def test_overlapping_servers_split_inside_spans() -> None:
+    route = find_route([_sv("a", 0, 20), _sv("b", 10, 30)], 0, 30)
+    assert route is not None and [hop.peer_id for hop in route] == ["a", "b"]
+    assert route[0].start == 0 and route[0].end == route[1].start and route[1].end == 30
+    assert 10 <= route[0].end <= 20
+
+
+def test_banned_replica_picks_the_other() -> None:
+    servers = [_sv("a", 0, 10), _sv("b", 0, 10)]
+    assert find_route(servers, 0, 10, banned={"a"}) == [RouteSpan("b", 0, 10)]
+    assert find_route(servers, 0, 10, banned=["b"]) == [RouteSpan("a", 0, 10)]
+    assert find_route(servers, 0, 10, banned=("a", "b")) is None
+
+
+def test_uncovered_block_gives_none_and_is_reported() -> None:
+    servers = [_sv("a", 0, 4), _sv("b", 5, 10)]
+    assert find_route(servers, 0, 10) is None
+    assert missing_blocks(servers, 0, 10) == [4]
+    assert missing_blocks(servers, 0, 10, banned={"b"}) == [4, 5, 6, 7, 8, 9]
+    assert missing_blocks(servers, 5, 10) == []
+    assert missing_blocks([], 2, 5) == [2, 3, 4]
+
+
+def test_lower_latency_wins_between_equal_hop_routes() -> None:
+    servers = [_sv("far", 0, 10, latency_s=0.2), _sv("near", 0, 10, latency_s=0.01)]
+    assert find_route(servers, 0, 10) == [RouteSpan("near", 0, 10)]
+    # Two 2-hop routes: the one through nearer servers wins.
+    servers = [
+        _sv("a1", 0, 5, latency_s=0.05),
+        _sv("a2", 5, 10, latency_s=0.05),
+        _sv("b1", 0, 5, latency_s=0.02),
+        _sv("b2", 5, 10, latency_s=0.02),
+    ]
+    assert find_route(servers, 0, 10) == [RouteSpan("b1", 0, 5), RouteSpan("b2", 5, 10)]
+
+
+def test_unknown_latency_assumes_the_default() -> None:
+    servers = [_sv("unknown", 0, 10), _sv("measured", 0, 10, latency_s=DEFAULT_LATENCY_S * 2)]
+    assert find_route(servers, 0, 10) == [RouteSpan("unknown", 0, 10)]
+
+
+def test_much_faster_server_wins_for_large_inputs() -> None:
+    servers = [
+        _sv("near", 0, 10, throughput=1000.0, latency_s=0.01),
+        _sv("fast", 0, 10, throughput=1e5, latency_s=0.2),
+    ]
+    assert find_route(servers, 0, 10, tokens=1) == [RouteSpan("near", 0, 10)]
+    assert find_route(servers, 0, 10, tokens=2000) == [RouteSpan("fast", 0, 10)]
+
+
+def test_fast_server_takes_over_inside_an_overlap_for_large_inputs() -> None:
+    # For one token the single hop on slow wins; for many tokens it pays to leave slow as soon as fast can take over.
+    servers = [
+        _sv("slow", 0, 20, throughput=1000.0, latency_s=0.01),
+        _sv("fast", 10, 20, throughput=1e5, latency_s=0.01),
+    ]
+    assert find_route(servers, 0, 20, tokens=1) == [RouteSpan("slow", 0, 20)]
+    assert find_route(servers, 0, 20, tokens=1000) == [RouteSpan("slow", 0, 10), RouteSpan("fast", 10, 20)]
+
+
+def test_rng_breaks_ties_between_replicas() -> None:
+    servers = [_sv("a", 0, 10), _sv("b", 0, 10), _sv("c", 0, 10, latency_s=1.0)]
+    chosen = {find_route(servers, 0, 10, rng=random.Random(seed))[0].peer_id for seed in range(64)}
+    assert chosen == {"a", "b"}
+    # The same seed gives the same choice.
+    assert find_route(servers, 0, 10, rng=random.Random(7)) == find_route(servers, 0, 10, rng=random.Random(7))
+
+
+def test_no_rng_is_deterministic_whatever_the_input_order() -> None:
+    servers = [_sv(f"p{k}", 0, 10) for k in range(8)] + [_sv(f"q{k}", 10, 20) for k in range(8)]
+    expected = find_route(servers, 0, 20)
+    assert expected == [RouteSpan("p0", 0, 10), RouteSpan("q0", 10, 20)]
+    shuffler = random.Random(0)
+    for _ in range(10):
+        shuffler.shuffle(servers)
+        assert find_route(servers, 0, 20) == expected
+
+
+def test_subrange_routing() -> None:
+    servers = [_sv("a", 0, 10), _sv("b", 10, 20)]
+    assert find_route(servers, 7, 13) == [RouteSpan("a", 7, 10), RouteSpan("b", 10, 13)]
+    assert find_route(servers, 12, 15) == [RouteSpan("b", 12, 15)]
+    assert find_route([_sv("a", 0, 10), _sv("c", 13, 20)], 7, 13) is None
+    assert missing_blocks([_sv("a", 0, 10), _sv("c", 13, 20)], 7, 13) == [10, 11, 12]
+
+
+def test_consecutive_hops_on_one_peer_are_merged() -> None:
+    # One peer announcing two adjacent spans is reached in a single hop.
+    assert find_route([_sv("a", 0, 5), _sv("a", 5, 10)], 0, 10) == [RouteSpan("a", 0, 10)]
+
+
+def test_unusable_servers_are_ignored_consistently() -> None:
+    servers = [_sv("zero", 0, 10, throughput=0.0), _sv("nan", 0, 10, throughput=math.nan), _sv("empty", 3, 3)]
+    assert find_route(servers, 0, 10) is None
+    assert missing_blocks(servers, 0, 10) == list(range(10))
+
+
+def test_empty_range_and_invalid_arguments() -> None:
+    assert find_route([], 5, 5) == []
+    assert find_route([_sv("a", 0, 10)], 0, 0) == []
+    assert missing_blocks([], 5, 5) == []
+    for start, end in [(5, 4), (-1, 3), (-3, -1)]:
+        with pytest.raises(ValueError):
+            find_route([_sv("a", 0, 10)], start, end)
+        with pytest.raises(ValueError):
+            missing_blocks([_sv("a", 0, 10)], start, end)
+    with pytest.raises(ValueError):
+        find_route([_sv("a", 0, 10)], 0, 10, tokens=-1)
+
+
+def _random_swarm(rnd: random.Random, num_blocks: int) -> list[ServerView]:
+    servers = []
+    for k in range(rnd.randint(0, 10)):
+        lo = rnd.randrange(num_blocks)
+        hi = rnd.randint(lo + 1, num_blocks)
+        latency = rnd.choice([None, rnd.uniform(0.0, 0.3), 0.05])
+        throughput = rnd.choice([1000.0, rnd.uniform(10.0, 5000.0)])
+        servers.append(ServerView(f"peer{k}", lo, hi, throughput, latency))
+    return servers
+
+
+@pytest.mark.parametrize("seed", range(400))
+def test_random_swarms_route_is_exact_cover_and_cheapest(seed: int) -> None:
+    rnd = random.Random(seed)
+    num_blocks = rnd.randint(1, 30)
+    servers = _random_swarm(rnd, num_blocks)
+    start = rnd.randrange(num_blocks)
+    end = rnd.randint(start, num_blocks)
+    banned = {s.peer_id for s in servers if rnd.random() < 0.2}
+    tokens = rnd.choice([1, 16, 4096])
+    missing = missing_blocks(servers, start, end, banned=banned)
+    assert missing == sorted(set(missing)) and all(start <= b < end for b in missing)
+    for rng in (None, random.Random(seed)):
+        route = find_route(servers, start, end, banned=banned, tokens=tokens, rng=rng)
+        if missing:
+            assert route is None
+            continue
+        assert route is not None
+        _check_route_shape(servers, route, start, end, banned)
+        best = _reference_cost(servers, start, end, banned, tokens)
+        assert _route_cost(servers, route, tokens) == pytest.approx(best, rel=1e-9, abs=1e-12)
