@@ -50,7 +50,7 @@ class DistributedCausalLMMixin:
         distributed_cls = cls if hasattr(cls, "family") else distributed_class(family)
         if distributed_cls.family is not family:
             raise ModelLoadError(f"{cls.__name__} cannot load a {config.model_type!r} model")
-        options = {"dht_prefix": default_dht_prefix(model), **client_options}
+        options = {**client_options, "dht_prefix": client_options.get("dht_prefix") or default_dht_prefix(model)}
         client_config = ClientConfig(initial_peers=tuple(initial_peers), **options)
         with torch.device("meta"):
             instance = distributed_cls(config)

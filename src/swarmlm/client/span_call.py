@@ -13,7 +13,7 @@ from hivemind.proto import runtime_pb2
 from swarmlm.client.sequence_manager import SequenceManager
 from swarmlm.errors import BadRequestError, ProtocolError, RemoteCallError
 from swarmlm.protocol import service
-from swarmlm.protocol.codec import encode, read_message
+from swarmlm.protocol.codec import encode, read_only_message
 from swarmlm.protocol.messages import ReplyHeader, _Header
 
 # replies are never larger than this (hidden states of the largest request a server accepts, with room to spare)
@@ -36,7 +36,7 @@ async def call_span(
             peer = await manager.ensure_connected(peer_id)
             stub = service.stub(manager.p2p, peer)
             replies = await getattr(stub, method)(_as_stream(header, tensors))
-            message = await read_message(replies, ReplyHeader, max_bytes=MAX_REPLY_BYTES)
+            message = await read_only_message(replies, ReplyHeader, max_bytes=MAX_REPLY_BYTES)
     except TimeoutError as e:
         raise RemoteCallError(f"{method} timed out after {manager.config.request_timeout_s:.0f} s", peer_id) from e
     except (P2PDaemonError, P2PHandlerError, ConnectionError, OSError, asyncio.IncompleteReadError) as e:

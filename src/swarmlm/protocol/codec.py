@@ -66,12 +66,31 @@ async def read_message(
     try:
         meta = msgpack.unpackb(first.metadata)
     except (ValueError, msgpack.UnpackException) as e:
-        raise ProtocolError(f"header is not valid msgpack: {e}") from e
+        raise ProtocolError(f"header is not valid msgpack: {type(e).__name__} {e}".rstrip()) from e
     if not isinstance(meta, dict) or set(meta) != {"header", "n_tensors"} or not isinstance(meta["n_tensors"], int):
         raise ProtocolError("message metadata must be {'header': ..., 'n_tensors': int}")
     header = parse_header(meta["header"], header_type)
     tensors = await _read_tensors(first, parts, meta["n_tensors"], max_bytes)
     return header, tensors
+
+
+async def read_only_message(
+    parts: AsyncIterator[Part], header_type: type[H], *, max_bytes: int
+) -> tuple[H, list[torch.Tensor]] | None:
+    """Read a stream that must carry exactly one message, up to its end (so the sender finishes writing)."""
+    message = await read_message(parts, header_type, max_bytes=max_bytes)
+    if message is not None and await anext(parts, None) is not None:
+        raise ProtocolError("the stream carries more than the one message expected")
+    return message
+
+
+async def drain(parts: AsyncIterator[Part], max_bytes: int) -> None:
+    """Consume what the sender still sends (up to max_bytes), so an early error reply does not break its pipe."""
+    received = 0
+    async for part in parts:
+        received += sum(len(chunk.buffer) for chunk in part.tensors) + len(part.metadata)
+        if received > max_bytes:
+            return
 
 
 async def _read_tensors(first: Part, parts: AsyncIterator[Part], n_tensors: int, max_bytes: int) -> list[torch.Tensor]:

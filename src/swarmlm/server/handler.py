@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -11,15 +12,18 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
 
 from swarmlm.errors import ProtocolError
-from swarmlm.protocol.codec import encode, read_message
+from swarmlm.protocol.codec import drain, encode, read_only_message
 from swarmlm.protocol.messages import ForwardRequest, ReplyHeader
 from swarmlm.server.backend import SpanBackend
 from swarmlm.server.validation import check_forward
 
 logger = logging.getLogger(__name__)
 
-# bytes per token of the largest hidden-state dtype, plus room for masks and positions
+# bytes per value of the largest hidden-state dtype
 _BYTES_PER_HIDDEN_VALUE = 4
+# requests up to this multiple of the token limit are read in full, so the token check can say what is wrong;
+# larger ones are cut off while arriving
+_READ_SLACK = 2
 
 
 class SpanHandler:
@@ -29,7 +33,8 @@ class SpanHandler:
         self.backend = backend
         self.request_timeout_s = request_timeout_s
         limits = backend.limits
-        self.max_request_bytes = limits.max_tokens * (limits.hidden_size * _BYTES_PER_HIDDEN_VALUE + 16) + 4096
+        token_bytes = limits.hidden_size * _BYTES_PER_HIDDEN_VALUE + 16  # hidden states, mask and position
+        self.max_request_bytes = _READ_SLACK * limits.max_tokens * token_bytes + 4096
         self.served = 0  # requests answered successfully
         self.rejected = 0  # requests refused as bad or failed on this server
 
@@ -40,7 +45,7 @@ class SpanHandler:
         peer = str(context.remote_id)[-6:]
         try:
             message = await asyncio.wait_for(
-                read_message(requests, ForwardRequest, max_bytes=self.max_request_bytes),
+                read_only_message(requests, ForwardRequest, max_bytes=self.max_request_bytes),
                 timeout=self.request_timeout_s,
             )
             if message is None:
@@ -62,6 +67,8 @@ class SpanHandler:
             self.rejected += 1
             logger.warning("forward rejected peer=...%s: %s", peer, e)
             reply, outputs = ReplyHeader(ok=False, error=str(e), error_kind="bad_request"), []
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(drain(requests, self.max_request_bytes), self.request_timeout_s)
         except Exception as e:  # noqa: BLE001 - any failure must become an error reply, never a dead server
             self.rejected += 1
             logger.exception("forward failed peer=...%s", peer)

@@ -1,0 +1,102 @@
+"""Shared fixtures: tiny random and real models, local reference models, and real swarms on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from swarmlm.client.model import AutoDistributedModelForCausalLM
+from swarmlm.local_swarm import LocalSwarm
+from swarmlm.models.loading import DEFAULT_MODEL, resolve_model
+
+# fp32 logits through the swarm must match a local run this closely
+LOGITS_ATOL = 1e-4
+
+
+def build_tiny_llama(folder: Path, num_layers: int = 5, seed: int = 0) -> Path:
+    """A random Llama with grouped-query attention (4 heads, 2 KV heads) and an odd number of layers."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def smollm_dir() -> Path:
+    """The bundled SmolLM2, converted once into the default cache (later runs reuse it)."""
+    return resolve_model(DEFAULT_MODEL)
+
+
+def load_reference(model_dir: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa", dtype=torch.float32).eval()
+
+
+@contextmanager
+def running_swarm(model: str | Path, spans: Sequence[tuple[int, int]], **kwargs: object) -> Iterator[LocalSwarm]:
+    """Servers for `spans` on 127.0.0.1 (one compute thread each: the machine has two cores)."""
+    swarm = LocalSwarm(str(model), threads_per_server=1, **kwargs)
+    try:
+        swarm.start_servers(spans)
+        yield swarm
+    finally:
+        swarm.close()
+
+
+@contextmanager
+def connected_model(model: str | Path, swarm: LocalSwarm, **options: object) -> Iterator[torch.nn.Module]:
+    options.setdefault("request_timeout_s", 30.0)
+    model = AutoDistributedModelForCausalLM.from_pretrained(
+        str(model), initial_peers=swarm.initial_peers, dht_prefix=swarm.dht_prefix, **options
+    )
+    try:
+        yield model
+    finally:
+        model.close()
+
+
+# torch's shared-memory helper is started by torch itself and exits once its clients are gone
+NOT_OURS = {"torch_shm_manager"}
+
+
+def descendants() -> list[psutil.Process]:
+    """Live processes started (directly or not) by this test process, except torch's own helpers."""
+    alive = []
+    for process in psutil.Process(os.getpid()).children(recursive=True):
+        try:
+            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE and process.name() not in NOT_OURS:
+                alive.append(process)
+        except psutil.NoSuchProcess:
+            continue
+    return alive
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """The suite fails if any process it started (servers, DHT nodes, p2pd) is still running at its end."""
+    gone, alive = psutil.wait_procs(descendants(), timeout=10)
+    if alive:
+        names = ", ".join(f"{p.pid}:{p.name()}" for p in alive)
+        print(f"\nERROR: processes left behind by the test suite: {names}")
+        for process in alive:
+            process.kill()
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -1,0 +1,132 @@
+"""Every class of malformed request gets a clear error reply, and the server keeps serving everyone else."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import msgpack
+import pytest
+import torch
+from hivemind.compression import serialize_torch_tensor
+from hivemind.p2p import PeerID
+from hivemind.proto import runtime_pb2
+
+from swarmlm.client.loop import LoopThread
+from swarmlm.protocol import service
+from swarmlm.protocol.codec import encode, read_message
+from swarmlm.protocol.messages import ForwardRequest, ReplyHeader
+from swarmlm.swarm.dht import start_dht
+from tests.conftest import LOGITS_ATOL, connected_model, load_reference, running_swarm
+
+MAX_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def swarm(tiny_model_dir: Path) -> Iterator:
+    with running_swarm(tiny_model_dir, [(0, 5)], extra_args=["--max-tokens-per-request", str(MAX_TOKENS)]) as swarm:
+        yield swarm
+
+
+class RawClient:
+    """Sends hand-made request parts straight to a server, bypassing every client-side check."""
+
+    def __init__(self, initial_peers: list[str], peer_id: str):
+        self.dht = start_dht(initial_peers, host="127.0.0.1", client_mode=True)
+        self.peer = PeerID.from_base58(peer_id)
+        self.loop = LoopThread()
+        self.p2p = self.loop.run(self.dht.replicate_p2p())
+
+    def send(self, parts: list[runtime_pb2.ExpertRequest]) -> tuple[ReplyHeader, list[torch.Tensor]]:
+        async def call() -> tuple[ReplyHeader, list[torch.Tensor]]:
+            async def stream() -> AsyncIterator[runtime_pb2.ExpertRequest]:
+                for part in parts:
+                    yield part
+
+            replies = await service.stub(self.p2p, self.peer).rpc_forward(stream())
+            return await read_message(replies, ReplyHeader, max_bytes=1 << 24)
+
+        return self.loop.run(call())
+
+    def forward(self, header: ForwardRequest | dict, tensors: list[torch.Tensor]) -> ReplyHeader:
+        if isinstance(header, dict):  # a header no honest client would build
+            parts = [runtime_pb2.ExpertRequest(metadata=msgpack.packb({"header": header, "n_tensors": len(tensors)}))]
+            parts[0].tensors.extend(one_chunk(t) for t in tensors)
+        else:
+            parts = list(encode(header, tensors, runtime_pb2.ExpertRequest))
+        return self.send(parts)[0]
+
+    def close(self) -> None:
+        self.loop.run(self.p2p.shutdown())
+        self.loop.close()
+        self.dht.shutdown()
+
+
+@pytest.fixture(scope="module")
+def raw(swarm) -> Iterator[RawClient]:
+    client = RawClient(swarm.initial_peers, swarm.servers[0].peer_id)
+    yield client
+    client.close()
+
+
+def one_chunk(tensor: torch.Tensor) -> runtime_pb2.Tensor:
+    serialized = serialize_torch_tensor(tensor)
+    serialized.chunks = 1
+    return serialized
+
+
+def good_header(**overrides: object) -> ForwardRequest:
+    return ForwardRequest(start_block=0, end_block=5, **overrides)
+
+
+HIDDEN = torch.randn(1, 4, 64)
+V1 = {"protocol_version": 1, "kind": "forward", "start_block": 0, "end_block": 5}
+CASES = {
+    "out-of-span blocks": (ForwardRequest(start_block=3, end_block=9), [HIDDEN], "not served here"),
+    "empty block range": (ForwardRequest(start_block=3, end_block=3), [HIDDEN], "not served here"),
+    "wrong hidden size": (good_header(), [torch.randn(1, 4, 63)], "hidden size 63"),
+    "wrong rank": (good_header(), [torch.randn(4, 64)], "shape (batch, seq, 64)"),
+    "wrong dtype": (good_header(), [torch.ones(1, 4, 64, dtype=torch.int64)], "must be float32"),
+    "NaN values": (good_header(), [torch.full((1, 4, 64), float("nan"))], "NaN or infinite"),
+    "infinite values": (good_header(), [torch.full((1, 4, 64), float("inf"))], "NaN or infinite"),
+    "too many tokens": (good_header(), [torch.randn(2, MAX_TOKENS, 64)], f"limit of {MAX_TOKENS}"),
+    "missing tensor": (good_header(has_position_ids=True), [HIDDEN], "declares 2 tensors"),
+    "bad mask shape": (good_header(has_attention_mask=True), [HIDDEN, torch.ones(1, 3)], "attention_mask"),
+    "positions beyond context": (
+        good_header(has_position_ids=True),
+        [HIDDEN, torch.full((1, 4), 10_000)],
+        "position_ids must lie",
+    ),
+    "unknown version": ({**V1, "protocol_version": 99}, [HIDDEN], "unsupported protocol version 99"),
+    "unknown field": ({**V1, "sneaky": 1}, [HIDDEN], "Extra inputs are not permitted"),
+    "wrongly typed field": ({**V1, "start_block": "0"}, [HIDDEN], "start_block"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_request_gets_a_clear_error(raw: RawClient, case: str) -> None:
+    header, tensors, message = CASES[case]
+    reply = raw.forward(header, tensors)
+    assert not reply.ok and reply.error_kind == "bad_request"
+    assert message in reply.error
+
+
+def test_garbage_bytes_get_a_clear_error(raw: RawClient) -> None:
+    reply, _ = raw.send([runtime_pb2.ExpertRequest(metadata=b"\xc1 not msgpack")])
+    assert reply.error_kind == "bad_request" and "not valid msgpack" in reply.error
+    broken = one_chunk(HIDDEN)
+    broken.buffer = broken.buffer[:100]  # shape says 256 values, buffer holds 25
+    part = runtime_pb2.ExpertRequest(metadata=msgpack.packb({"header": V1, "n_tensors": 1}), tensors=[broken])
+    reply, _ = raw.send([part])
+    assert reply.error_kind == "bad_request" and "cannot be decoded" in reply.error
+
+
+def test_server_keeps_serving_after_bad_requests(raw: RawClient, swarm, tiny_model_dir: Path) -> None:
+    for header, tensors, _ in CASES.values():
+        raw.forward(header, tensors)
+    assert swarm.servers[0].process.poll() is None
+    ids = torch.randint(0, 128, (2, 6))
+    with torch.inference_mode():
+        expected = load_reference(tiny_model_dir)(ids).logits
+    with connected_model(tiny_model_dir, swarm) as model:
+        assert (model(ids).logits - expected).abs().max().item() <= LOGITS_ATOL
