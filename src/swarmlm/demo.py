@@ -14,7 +14,9 @@ from swarmlm.local_swarm import LocalSwarm, even_spans
 from swarmlm.models.loading import load_config, load_tokenizer, resolve_model
 
 
-def run_demo(prompt: str, num_servers: int = 2, max_new_tokens: int = 64, model: str = "smollm2-135m-instruct") -> None:
+def run_demo(
+    prompt: str, num_servers: int = 2, max_new_tokens: int = 64, model: str = "smollm2-135m-instruct"
+) -> None:
     model_dir = resolve_model(model)  # convert once here, before servers start, rather than in every server
     spans = even_spans(load_config(model_dir).num_hidden_layers, num_servers)
     threads = max(1, (os.cpu_count() or 1) // num_servers)
@@ -24,7 +26,8 @@ def run_demo(prompt: str, num_servers: int = 2, max_new_tokens: int = 64, model:
         swarm.start_servers(spans)
         print(f"Swarm ready in {time.perf_counter() - began:.1f} s:")
         for server in swarm.servers:
-            print(f"  server ...{server.peer_id[-6:]} (pid {server.process.pid}) serves blocks {server.start}:{server.end}")
+            where = f"server ...{server.peer_id[-6:]} (pid {server.process.pid})"
+            print(f"  {where} serves blocks {server.start}:{server.end}")
         with AutoDistributedModelForCausalLM.from_pretrained(
             str(model_dir), initial_peers=swarm.initial_peers
         ) as distributed:

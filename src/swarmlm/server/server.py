@@ -24,8 +24,6 @@ from swarmlm.swarm.records import ServerRecord, ServerState, announce
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# an offline record only needs to outlive clients' next refresh of the swarm view
-OFFLINE_RECORD_TTL_S = 15.0
 
 
 class Server:
@@ -100,7 +98,8 @@ class Server:
                     logger.warning("Refreshing the DHT record failed; retrying in %.0f s", cfg.announce_interval_s)
         logger.info("Shutting down: announcing offline (served %d requests)", servicer.served)
         offline = self._record(ServerState.OFFLINE, addrs)
-        await announce(self.dht, self.dht_prefix, peer_id, offline, OFFLINE_RECORD_TTL_S)
+        # the DHT keeps the record that expires last, so the offline one must not expire before the online one
+        await announce(self.dht, self.dht_prefix, peer_id, offline, cfg.record_ttl_s)
         await service.unregister(p2p)
         await p2p.shutdown()
         sys.stdout.flush()
