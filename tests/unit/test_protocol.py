@@ -1,0 +1,91 @@
+"""The wire format: messages survive the round trip, and every malformed message is refused with a reason."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterable
+
+import msgpack
+import pytest
+import torch
+from hivemind.proto import runtime_pb2
+
+from swarmlm.errors import ProtocolError
+from swarmlm.protocol.codec import CHUNK_BYTES, encode, read_message, read_only_message
+from swarmlm.protocol.messages import PROTOCOL_VERSION, ForwardRequest, ReplyHeader
+
+
+async def _aiter(parts: Iterable) -> AsyncIterator:
+    for part in parts:
+        yield part
+
+
+def roundtrip(header: ForwardRequest, tensors: list[torch.Tensor], max_bytes: int = 1 << 30) -> tuple:
+    parts = list(encode(header, tensors, runtime_pb2.ExpertRequest))
+    return asyncio.run(read_only_message(_aiter(parts), ForwardRequest, max_bytes=max_bytes))
+
+
+def test_header_and_tensors_survive_the_roundtrip() -> None:
+    header = ForwardRequest(start_block=2, end_block=7, has_position_ids=True)
+    tensors = [torch.randn(2, 3, 8), torch.arange(6).view(2, 3), torch.randn(2, 4).to(torch.bfloat16)]
+    got_header, got = roundtrip(header, tensors)
+    assert got_header == header
+    for sent, received in zip(tensors, got, strict=True):
+        assert received.dtype == sent.dtype and torch.equal(received, sent)
+
+
+def test_tensors_above_the_transport_cap_travel_in_chunks() -> None:
+    big = torch.randn(3, 1024, 1024)  # 12 MiB, three times the 4 MiB cap of one transport message
+    parts = list(encode(ForwardRequest(start_block=0, end_block=1), [big], runtime_pb2.ExpertRequest))
+    assert len(parts) >= 12 and all(part.ByteSize() <= CHUNK_BYTES + 4096 for part in parts)
+    _, (received,) = roundtrip(ForwardRequest(start_block=0, end_block=1), [big])
+    assert torch.equal(received, big)
+
+
+def test_an_empty_stream_is_no_message() -> None:
+    assert asyncio.run(read_message(_aiter([]), ForwardRequest, max_bytes=100)) is None
+
+
+def _raw(header: object, n_tensors: int = 0) -> runtime_pb2.ExpertRequest:
+    return runtime_pb2.ExpertRequest(metadata=msgpack.packb({"header": header, "n_tensors": n_tensors}))
+
+
+def _read(parts: list) -> tuple:
+    return asyncio.run(read_only_message(_aiter(parts), ForwardRequest, max_bytes=1 << 20))
+
+
+GOOD = {"protocol_version": PROTOCOL_VERSION, "kind": "forward", "start_block": 0, "end_block": 1}
+
+
+@pytest.mark.parametrize(
+    ("parts", "reason"),
+    [
+        ([runtime_pb2.ExpertRequest(metadata=b"\xc1")], "not valid msgpack"),
+        ([runtime_pb2.ExpertRequest(metadata=msgpack.packb([1, 2]))], "must be {'header'"),
+        ([_raw({**GOOD, "protocol_version": 0})], "unsupported protocol version 0"),
+        ([_raw({k: v for k, v in GOOD.items() if k != "protocol_version"})], "unsupported protocol version None"),
+        ([_raw({**GOOD, "extra": True})], "extra: Extra inputs are not permitted"),
+        ([_raw({**GOOD, "end_block": 1.5})], "end_block"),
+        ([_raw({**GOOD, "kind": "backward"})], "kind"),
+        ([_raw({**GOOD, "start_block": -1})], "start_block"),
+        ([_raw(GOOD, n_tensors=1)], "stream ended"),
+        ([_raw(GOOD, n_tensors=99)], "0..16 tensors"),
+        ([_raw(GOOD), _raw(GOOD)], "more than the one message"),
+    ],
+    ids=lambda value: value if isinstance(value, str) else "",
+)
+def test_malformed_messages_are_refused_with_a_reason(parts: list, reason: str) -> None:
+    with pytest.raises(ProtocolError, match=None) as info:
+        _read(parts)
+    assert reason in str(info.value)
+
+
+def test_size_limit_is_enforced_while_reading() -> None:
+    with pytest.raises(ProtocolError, match="more than 1000 bytes"):
+        roundtrip(ForwardRequest(start_block=0, end_block=1), [torch.randn(1000)], max_bytes=1000)
+
+
+def test_reply_header_is_strict_too() -> None:
+    assert ReplyHeader(ok=False, error="x", error_kind="bad_request").error_kind == "bad_request"
+    with pytest.raises(ValueError):
+        ReplyHeader(ok=False, error_kind="oops")
