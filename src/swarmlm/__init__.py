@@ -1,1 +1,52 @@
-"""swarmlm: run and fine-tune large language models over a swarm of servers."""
+"""swarmlm: run and fine-tune large language models over a swarm of servers. Public names only."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from swarmlm.errors import (
+    BadRequestError,
+    MissingBlocksError,
+    ModelLoadError,
+    ProtocolError,
+    RemoteCallError,
+    SessionClosedError,
+    SwarmError,
+)
+
+if TYPE_CHECKING:
+    from swarmlm.client.model import AutoDistributedModelForCausalLM
+    from swarmlm.client.remote_sequential import RemoteSequential
+    from swarmlm.config import ClientConfig, ServerConfig
+
+__version__ = "0.1.0"
+
+# heavy modules (torch, transformers, hivemind) load on first use, not on `import swarmlm`
+_LAZY = {
+    "AutoDistributedModelForCausalLM": "swarmlm.client.model",
+    "RemoteSequential": "swarmlm.client.remote_sequential",
+    "ClientConfig": "swarmlm.config",
+    "ServerConfig": "swarmlm.config",
+}
+
+__all__ = [
+    "AutoDistributedModelForCausalLM",
+    "BadRequestError",
+    "ClientConfig",
+    "MissingBlocksError",
+    "ModelLoadError",
+    "ProtocolError",
+    "RemoteCallError",
+    "RemoteSequential",
+    "ServerConfig",
+    "SessionClosedError",
+    "SwarmError",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'swarmlm' has no attribute {name!r}")
