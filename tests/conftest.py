@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from swarmlm.client.model import AutoDistributedModelForCausalLM
+from swarmlm import AutoDistributedModelForCausalLM
 from swarmlm.local_swarm import LocalSwarm
 from swarmlm.models.loading import DEFAULT_MODEL, resolve_model
 
