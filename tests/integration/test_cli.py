@@ -1,0 +1,60 @@
+"""The `swarmlm` command: a bootstrap node others join, and clear errors for bad arguments."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from swarmlm.local_swarm import READY_LINE
+from swarmlm.utils.processes import spawn_bound
+from tests.conftest import LOGITS_ATOL, load_reference
+
+SWARMLM = [sys.executable, "-m", "swarmlm.cli.main"]
+
+
+def test_bootstrap_node_serves_as_entry_point_for_a_new_swarm(tiny_model_dir: Path) -> None:
+    from swarmlm import AutoDistributedModelForCausalLM
+
+    dht = spawn_bound([*SWARMLM, "dht", "--host", "127.0.0.1"], stdout=subprocess.PIPE, text=True)
+    server = None
+    try:
+        line = dht.stdout.readline()
+        assert line.startswith("Others join with: --initial-peers /ip4/127.0.0.1/"), line
+        peers = line.split("--initial-peers ", 1)[1].split()
+        server = spawn_bound(
+            [*SWARMLM, "serve", str(tiny_model_dir), "--blocks", "0:5", "--host", "127.0.0.1",
+             "--num-threads", "1", "--initial-peers", *peers],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        for line in server.stdout:
+            if line.startswith(READY_LINE):
+                break
+        ids = torch.randint(0, 128, (1, 5))
+        with AutoDistributedModelForCausalLM.from_pretrained(tiny_model_dir, initial_peers=peers) as model:
+            logits = model(ids).logits
+        with torch.inference_mode():
+            assert (logits - load_reference(tiny_model_dir)(ids).logits).abs().max().item() <= LOGITS_ATOL
+    finally:
+        for process in (server, dht):
+            if process is not None:
+                process.send_signal(signal.SIGTERM)
+                assert process.wait(30) == 0
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*SWARMLM, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_bad_arguments_get_clear_errors(tiny_model_dir: Path) -> None:
+    result = run_cli("serve", str(tiny_model_dir), "--blocks", "0:9", "--new-swarm")
+    assert result.returncode == 2 and "outside the model's blocks 0:5" in result.stderr
+    result = run_cli("serve", str(tiny_model_dir), "--blocks", "0:2")
+    assert result.returncode == 2 and "--initial-peers" in result.stderr and "--new-swarm" in result.stderr
+    result = run_cli("serve", str(tiny_model_dir), "--blocks", "two")
+    assert result.returncode == 2 and "START:END" in result.stderr
+    result = run_cli("serve", "/no/such/model", "--blocks", "0:1", "--new-swarm")
+    assert result.returncode == 2 and "/no/such/model" in result.stderr
