@@ -11,6 +11,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from swarmlm.client.prompts import PromptTuning
 from swarmlm.client.remote_sequential import RemoteSequential, SwarmClient
 from swarmlm.config import ClientConfig
 from swarmlm.errors import ModelLoadError
@@ -34,10 +35,13 @@ class DistributedCausalLMMixin:
         initial_peers: list[str] | tuple[str, ...] = (),
         dtype: torch.dtype = torch.float32,
         cache_dir: str | os.PathLike | None = None,
+        tuning_mode: str | None = None,
+        pre_seq_len: int = 16,
         **client_options: Any,
     ) -> PreTrainedModel:
         """Load the local parts of `model` (a name, .gguf or HF folder) and connect to the swarm serving its blocks.
 
+        tuning_mode "ptune" or "deep_ptune" adds pre_seq_len trainable prompts (the only trainable parameters).
         client_options are ClientConfig fields (dht_prefix, max_tokens_per_request, request_timeout_s, ...).
         """
         known = {f.name for f in fields(ClientConfig)} - {"initial_peers"}
@@ -55,6 +59,11 @@ class DistributedCausalLMMixin:
         with torch.device("meta"):
             instance = distributed_cls(config)
         instance._load_local_parts(model_dir, dtype)
+        instance.prompt_tuning = None
+        if tuning_mode is not None:
+            instance.prompt_tuning = PromptTuning(
+                tuning_mode, pre_seq_len, config.hidden_size, config.num_hidden_layers, config.initializer_range
+            )
         client = SwarmClient(client_config, options["dht_prefix"], config.num_hidden_layers)
         instance.model.layers = RemoteSequential(client)
         return instance
@@ -91,14 +100,35 @@ class DistributedCausalLMMixin:
             inputs_embeds = self.get_submodule(self.family.embed_name)(input_ids)
         if attention_mask is not None and bool(attention_mask.all()):
             attention_mask = None  # the servers' default; saves sending it
-        hidden = self.model.layers(inputs_embeds, attention_mask=attention_mask, position_ids=position_ids)
+        tuning, deep_prompts = self.prompt_tuning, None
+        if tuning is not None:
+            inputs_embeds, attention_mask, position_ids = tuning.extend(inputs_embeds, attention_mask, position_ids)
+            deep_prompts = tuning.deep_prompts
+        hidden = self.model.layers(
+            inputs_embeds, attention_mask=attention_mask, position_ids=position_ids, prompts=deep_prompts
+        )
         hidden = self.get_submodule(self.family.norm_name)(hidden.to(inputs_embeds.dtype))
+        if tuning is not None:
+            hidden = hidden[:, tuning.pre_seq_len :]  # logits and labels align with the caller's tokens
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.get_submodule(self.family.head_name)(hidden[:, keep, :])
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    def save_prompts(self, directory: str | os.PathLike) -> None:
+        """Save the trained prompts (a small safetensors file and its settings) to `directory`."""
+        self._tuning().save(directory)
+
+    def load_prompts(self, directory: str | os.PathLike) -> None:
+        """Load prompts saved by save_prompts into a model made with the same tuning_mode and pre_seq_len."""
+        self._tuning().load(directory)
+
+    def _tuning(self) -> PromptTuning:
+        if self.prompt_tuning is None:
+            raise ValueError("this model has no prompts: load it with tuning_mode='ptune' or 'deep_ptune'")
+        return self.prompt_tuning
 
     def close(self) -> None:
         """Leave the swarm: stop the client's DHT node and event loop."""

@@ -8,7 +8,7 @@ import logging
 import torch
 from torch import nn
 
-from swarmlm.client.chain import ForwardArgs, run_forward_chain
+from swarmlm.client.chain import ChainArgs, Hop, run_backward_chain, run_forward_chain
 from swarmlm.client.loop import LoopThread
 from swarmlm.client.sequence_manager import SequenceManager
 from swarmlm.config import ClientConfig
@@ -78,8 +78,13 @@ class RemoteSequential(nn.Module):
         hidden: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        prompts: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """hidden (batch, seq, hidden) -> hidden after the blocks; big batches run as concurrent sub-batches."""
+        """hidden (batch, seq, hidden) -> hidden after the blocks; big batches run as concurrent sub-batches.
+
+        prompts (len(self), prefix, hidden): deep prompts, prompts[i] added to the first `prefix` positions of the
+        input of this slice's block i. Differentiable wrt hidden and prompts.
+        """
         if self.client.closed:
             raise SessionClosedError("this model's swarm connection is closed")
         if hidden.ndim != 3:
@@ -87,18 +92,77 @@ class RemoteSequential(nn.Module):
         for name, extra in (("attention_mask", attention_mask), ("position_ids", position_ids)):
             if extra is not None and tuple(extra.shape) != tuple(hidden.shape[:2]):
                 raise ValueError(f"{name} must have shape {tuple(hidden.shape[:2])}, got {tuple(extra.shape)}")
-        return self.client.loop.run(self._forward(hidden.detach().cpu(), attention_mask, position_ids))
+        if prompts is not None and (prompts.ndim != 3 or prompts.shape[0] != len(self)):
+            raise ValueError(f"prompts must be ({len(self)}, prefix, hidden), got {tuple(prompts.shape)}")
+        return _RemoteBlocks.apply(hidden, prompts, self, attention_mask, position_ids)
 
-    async def _forward(
-        self, hidden: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor | None
-    ) -> torch.Tensor:
-        pieces = split_batch(hidden.shape[0], hidden.shape[1], self.client.config.max_tokens_per_request)
-        manager = self.client.manager
-        tasks = []
-        for begin, end in pieces:
-            args = ForwardArgs(
-                None if mask is None else mask[begin:end], None if positions is None else positions[begin:end]
+    def _pieces(
+        self,
+        hidden: torch.Tensor,
+        mask: torch.Tensor | None,
+        positions: torch.Tensor | None,
+        prompts: torch.Tensor | None,
+    ) -> list[tuple[int, int, ChainArgs]]:
+        """The sub-batches (row ranges) of a batch and the arguments each one's chain carries."""
+        pieces = []
+        for begin, end in split_batch(hidden.shape[0], hidden.shape[1], self.client.config.max_tokens_per_request):
+            args = ChainArgs(
+                attention_mask=None if mask is None else mask[begin:end],
+                position_ids=None if positions is None else positions[begin:end],
+                prompts=prompts,
+                prompts_start=self.start,
             )
-            tasks.append(run_forward_chain(manager, hidden[begin:end], self.start, self.end, args))
-        results = await asyncio.gather(*tasks)
-        return torch.cat([out for out, _ in results], dim=0)
+            pieces.append((begin, end, args))
+        return pieces
+
+    async def _forward(self, hidden: torch.Tensor, pieces: list) -> tuple[torch.Tensor, list[list[Hop]]]:
+        manager = self.client.manager
+        results = await asyncio.gather(
+            *(run_forward_chain(manager, hidden[begin:end], self.start, self.end, args) for begin, end, args in pieces)
+        )
+        return torch.cat([out for out, _ in results], dim=0), [hops for _, hops in results]
+
+    async def _backward(
+        self, grad: torch.Tensor, pieces: list, hops: list[list[Hop]]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        manager = self.client.manager
+        results = await asyncio.gather(
+            *(
+                run_backward_chain(manager, piece_hops, grad[begin:end], args)
+                for (begin, end, args), piece_hops in zip(pieces, hops, strict=True)
+            )
+        )
+        grad_prompts = [g for _, g in results if g is not None]
+        return torch.cat([g for g, _ in results], dim=0), (torch.stack(grad_prompts).sum(0) if grad_prompts else None)
+
+
+class _RemoteBlocks(torch.autograd.Function):
+    """Autograd through remote blocks: forward remembers each sub-batch's hops, backward walks them in reverse."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        hidden: torch.Tensor,
+        prompts: torch.Tensor | None,
+        blocks: RemoteSequential,
+        mask: torch.Tensor | None,
+        positions: torch.Tensor | None,
+    ) -> torch.Tensor:
+        send_prompts = None if prompts is None else prompts.detach().cpu()
+        pieces = blocks._pieces(hidden, mask, positions, send_prompts)
+        output, hops = blocks.client.loop.run(blocks._forward(hidden.detach().cpu(), pieces))
+        ctx.blocks, ctx.pieces, ctx.hops = blocks, pieces, hops
+        ctx.hidden_meta = (hidden.dtype, hidden.device)
+        ctx.prompts_meta = None if prompts is None else (prompts.dtype, prompts.device)
+        return output.to(hidden.device, hidden.dtype)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad_output: torch.Tensor) -> tuple:
+        blocks: RemoteSequential = ctx.blocks
+        grad_hidden, grad_prompts = blocks.client.loop.run(
+            blocks._backward(grad_output.detach().cpu().float(), ctx.pieces, ctx.hops)
+        )
+        grad_hidden = grad_hidden.to(ctx.hidden_meta[1], ctx.hidden_meta[0])
+        if grad_prompts is not None:
+            grad_prompts = grad_prompts.to(ctx.prompts_meta[1], ctx.prompts_meta[0])
+        return grad_hidden, grad_prompts, None, None, None

@@ -49,7 +49,8 @@ class SpanModel(nn.Module):
         # rotary frequencies are not in checkpoints: rebuild them off the meta device, kept in float32 for precision
         span.rotary = span.family.rotary_class(config).to(device)
         span.layers.to(device=device, dtype=dtype)
-        return span.eval()
+        # weights are frozen: backward computes gradients wrt inputs and prompts only
+        return span.requires_grad_(False).eval()
 
     def forward(
         self,
@@ -60,11 +61,13 @@ class SpanModel(nn.Module):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         cache: object | None = None,
+        prompts: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run blocks [start, end) (default: the whole span) over hidden (batch, seq, hidden).
 
         attention_mask (batch, past + seq) and position_ids (batch, seq) follow the Hugging Face conventions;
-        position_ids default to past + arange(seq), like the local model.
+        position_ids default to past + arange(seq), like the local model. prompts (end - start, prefix, hidden),
+        if given, are deep prompts: prompts[i] is added to the first `prefix` positions of block start+i's input.
         """
         start = self.start if start is None else start
         end = self.end if end is None else end
@@ -80,7 +83,9 @@ class SpanModel(nn.Module):
             layer_idx=start,
         )
         position_embeddings = self.rotary(hidden, position_ids)
-        for layer in self.layers[start - self.start : end - self.start]:
+        for index, layer in enumerate(self.layers[start - self.start : end - self.start]):
+            if prompts is not None:
+                hidden = add_prompt(hidden, prompts[index])
             hidden = layer(
                 hidden,
                 attention_mask=mask,
@@ -90,3 +95,10 @@ class SpanModel(nn.Module):
                 position_embeddings=position_embeddings,
             )
         return hidden
+
+
+def add_prompt(hidden: torch.Tensor, prompt: torch.Tensor) -> torch.Tensor:
+    """hidden (batch, seq, hidden) with prompt (prefix, hidden) added to its first `prefix` positions, out of place
+    (autograd needs the original)."""
+    prefix = prompt.shape[0]
+    return torch.cat([hidden[:, :prefix] + prompt.to(hidden.dtype), hidden[:, prefix:]], dim=1)

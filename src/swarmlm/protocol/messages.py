@@ -24,7 +24,9 @@ class ForwardRequest(_Header):
     """Run blocks [start_block, end_block) of the server's span over the hidden states that follow.
 
     Tensors, in order: hidden_states (batch, seq, hidden); then, if has_attention_mask, attention_mask
-    (batch, past + seq) of 0/1 int64; then, if has_position_ids, position_ids (batch, seq) int64.
+    (batch, seq) of 0/1; then, if has_position_ids, position_ids (batch, seq); then, if has_prompts, deep prompts
+    (end_block - start_block, prefix, hidden), prompt i added to the first `prefix` positions of block i's input.
+    The reply carries the output hidden states.
     """
 
     kind: Literal["forward"] = "forward"
@@ -32,6 +34,17 @@ class ForwardRequest(_Header):
     end_block: int = Field(ge=1)
     has_attention_mask: bool = False
     has_position_ids: bool = False
+    has_prompts: bool = False
+
+
+class BackwardRequest(ForwardRequest):
+    """Gradients of a span, recomputed from its inputs (the server keeps nothing between forward and backward).
+
+    Tensors: as ForwardRequest, with grad_outputs (batch, seq, hidden) right after hidden_states. The reply carries
+    the gradient wrt hidden_states and, if has_prompts, the gradient wrt the prompts.
+    """
+
+    kind: Literal["backward"] = "backward"  # type: ignore[assignment]
 
 
 class ReplyHeader(_Header):
@@ -45,9 +58,6 @@ class ReplyHeader(_Header):
     error: str | None = None
     error_kind: Literal["bad_request", "server"] | None = None
     compute_ms: float = 0.0
-
-
-REQUEST_TYPES: dict[str, type[_Header]] = {"forward": ForwardRequest}
 
 
 def parse_header(data: dict[str, object], expected: type[_Header]) -> _Header:

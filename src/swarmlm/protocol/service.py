@@ -20,6 +20,12 @@ class SpanService(ServicerBase):
         raise NotImplementedError("served by swarmlm.server.handler.SpanHandler")
         yield  # pragma: no cover - makes this an async generator, like the implementation
 
+    async def rpc_backward(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        raise NotImplementedError("served by swarmlm.server.handler.SpanHandler")
+        yield  # pragma: no cover
+
 
 async def register(p2p: P2P, implementation: object) -> None:
     """Serve the methods of `implementation` under SpanService's names."""

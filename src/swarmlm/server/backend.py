@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from swarmlm.models.span import SpanModel
-from swarmlm.server.validation import ForwardInputs, SpanLimits
+from swarmlm.server.validation import SpanInputs, SpanLimits
 
 
 class SpanBackend:
@@ -28,27 +29,41 @@ class SpanBackend:
         # a single worker thread is the queue: weights are never used by two computations at once
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="span-compute")
 
-    async def forward(self, start: int, end: int, inputs: ForwardInputs) -> tuple[torch.Tensor, float]:
-        """Hidden states after blocks [start, end), in the sender's dtype, and the compute time in ms."""
+    async def run(self, start: int, end: int, inputs: SpanInputs) -> tuple[list[torch.Tensor], float]:
+        """Forward: [hidden states after blocks [start, end)]; backward (inputs.grad_outputs given): [grad wrt
+        hidden states, (grad wrt prompts)]. Tensors come back in the sender's dtypes, with the compute time in ms."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._forward_sync, start, end, inputs)
+        return await loop.run_in_executor(self._executor, self._run, start, end, inputs)
 
-    def _forward_sync(self, start: int, end: int, inputs: ForwardInputs) -> tuple[torch.Tensor, float]:
+    def _run(self, start: int, end: int, inputs: SpanInputs) -> tuple[list[torch.Tensor], float]:
+        """The one computation of a span: its forward, followed by autograd when grad_outputs are given."""
         began = time.perf_counter()
-        with torch.inference_mode():
-            hidden = inputs.hidden.to(self.device, self.dtype)
+        backward = inputs.grad_outputs is not None
+        with torch.inference_mode(not backward), torch.enable_grad() if backward else contextlib.nullcontext():
+            hidden = self._to_device(inputs.hidden, backward)
+            prompts = None if inputs.prompts is None else self._to_device(inputs.prompts, backward)
             mask = None if inputs.attention_mask is None else inputs.attention_mask.to(self.device)
             positions = None if inputs.position_ids is None else inputs.position_ids.to(self.device)
-            out = self.span(hidden, start=start, end=end, attention_mask=mask, position_ids=positions)
-            out = out.to("cpu", inputs.hidden.dtype)
-        return out, (time.perf_counter() - began) * 1000
+            out = self.span(hidden, start=start, end=end, attention_mask=mask, position_ids=positions, prompts=prompts)
+            if backward:
+                wrt = [hidden] if prompts is None else [hidden, prompts]
+                grad_outputs = inputs.grad_outputs.to(self.device, self.dtype)
+                results = list(torch.autograd.grad(out, wrt, grad_outputs=grad_outputs))
+                answer_dtypes = [inputs.hidden.dtype] + ([] if prompts is None else [inputs.prompts.dtype])
+            else:
+                results, answer_dtypes = [out], [inputs.hidden.dtype]
+            results = [r.detach().to("cpu", dtype) for r, dtype in zip(results, answer_dtypes, strict=True)]
+        return results, (time.perf_counter() - began) * 1000
+
+    def _to_device(self, tensor: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+        return tensor.to(self.device, self.dtype).requires_grad_(requires_grad)
 
     def measure_throughput(self, tokens: int = 32, repeats: int = 3) -> float:
         """Tokens per second through one block, measured on random inputs at start-up."""
         hidden = torch.randn(1, tokens, self.limits.hidden_size)
-        inputs = ForwardInputs(hidden, None, None)
-        self._forward_sync(self.span.start, self.span.end, inputs)  # warm-up: first calls allocate
-        elapsed = min(self._forward_sync(self.span.start, self.span.end, inputs)[1] for _ in range(repeats)) / 1000
+        inputs = SpanInputs(hidden)
+        self._run(self.span.start, self.span.end, inputs)  # warm-up: first calls allocate
+        elapsed = min(self._run(self.span.start, self.span.end, inputs)[1] for _ in range(repeats)) / 1000
         return tokens * (self.span.end - self.span.start) / max(elapsed, 1e-9)
 
     def shutdown(self) -> None:

@@ -13,17 +13,20 @@ from hivemind.proto import runtime_pb2
 
 from swarmlm.errors import ProtocolError
 from swarmlm.protocol.codec import drain, encode, read_only_message
-from swarmlm.protocol.messages import ForwardRequest, ReplyHeader
+from swarmlm.protocol.messages import BackwardRequest, ForwardRequest, ReplyHeader
 from swarmlm.server.backend import SpanBackend
-from swarmlm.server.validation import check_forward
+from swarmlm.server.validation import check_span_request
 
 logger = logging.getLogger(__name__)
 
 # bytes per value of the largest hidden-state dtype
 _BYTES_PER_HIDDEN_VALUE = 4
 # requests up to this multiple of the token limit are read in full, so the token check can say what is wrong;
-# larger ones are cut off while arriving
-_READ_SLACK = 2
+# larger ones are cut off while arriving (a backward request carries hidden states and their gradients)
+_READ_SLACK = 4
+
+Parts = AsyncIterator[runtime_pb2.ExpertRequest]
+Replies = AsyncIterator[runtime_pb2.ExpertResponse]
 
 
 class SpanHandler:
@@ -34,44 +37,48 @@ class SpanHandler:
         self.request_timeout_s = request_timeout_s
         limits = backend.limits
         token_bytes = limits.hidden_size * _BYTES_PER_HIDDEN_VALUE + 16  # hidden states, mask and position
-        self.max_request_bytes = _READ_SLACK * limits.max_tokens * token_bytes + 4096
+        self.max_request_bytes = _READ_SLACK * limits.max_tokens * token_bytes + (8 << 20)  # + room for prompts
         self.served = 0  # requests answered successfully
         self.rejected = 0  # requests refused as bad or failed on this server
 
-    async def rpc_forward(
-        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
-    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+    async def rpc_forward(self, requests: Parts, context: P2PContext) -> Replies:
+        async for part in self._serve(requests, context, ForwardRequest):
+            yield part
+
+    async def rpc_backward(self, requests: Parts, context: P2PContext) -> Replies:
+        async for part in self._serve(requests, context, BackwardRequest):
+            yield part
+
+    async def _serve(self, requests: Parts, context: P2PContext, header_type: type[ForwardRequest]) -> Replies:
         began = time.perf_counter()
         peer = str(context.remote_id)[-6:]
+        kind = header_type.model_fields["kind"].default
         try:
             message = await asyncio.wait_for(
-                read_only_message(requests, ForwardRequest, max_bytes=self.max_request_bytes),
+                read_only_message(requests, header_type, max_bytes=self.max_request_bytes),
                 timeout=self.request_timeout_s,
             )
             if message is None:
                 raise ProtocolError("empty request stream")
             header, tensors = message
-            inputs = check_forward(header, tensors, self.backend.limits)
-            out, compute_ms = await self.backend.forward(header.start_block, header.end_block, inputs)
-            reply, outputs = ReplyHeader(ok=True, compute_ms=compute_ms), [out]
+            inputs = check_span_request(header, tensors, self.backend.limits)
+            outputs, compute_ms = await self.backend.run(header.start_block, header.end_block, inputs)
+            reply = ReplyHeader(ok=True, compute_ms=compute_ms)
             self.served += 1
+            tokens = inputs.hidden.shape[0] * inputs.hidden.shape[1]
             logger.info(
-                "forward blocks=%d:%d tokens=%d peer=...%s %.1f ms",
-                header.start_block,
-                header.end_block,
-                inputs.hidden.shape[0] * inputs.hidden.shape[1],
-                peer,
-                (time.perf_counter() - began) * 1000,
-            )
+                "%s blocks=%d:%d tokens=%d peer=...%s %.1f ms",
+                kind, header.start_block, header.end_block, tokens, peer, (time.perf_counter() - began) * 1000,
+            )  # fmt: skip
         except ProtocolError as e:
             self.rejected += 1
-            logger.warning("forward rejected peer=...%s: %s", peer, e)
+            logger.warning("%s rejected peer=...%s: %s", kind, peer, e)
             reply, outputs = ReplyHeader(ok=False, error=str(e), error_kind="bad_request"), []
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(drain(requests, self.max_request_bytes), self.request_timeout_s)
         except Exception as e:  # noqa: BLE001 - any failure must become an error reply, never a dead server
             self.rejected += 1
-            logger.exception("forward failed peer=...%s", peer)
+            logger.exception("%s failed peer=...%s", kind, peer)
             reply, outputs = ReplyHeader(ok=False, error=f"{type(e).__name__}: {e}", error_kind="server"), []
         for part in encode(reply, outputs, runtime_pb2.ExpertResponse):
             yield part

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from swarmlm.errors import ProtocolError
-from swarmlm.protocol.messages import ForwardRequest
+from swarmlm.protocol.messages import BackwardRequest, ForwardRequest
 
 # dtypes hidden states may arrive in; the server computes in its own dtype and answers in the sender's
 HIDDEN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -24,10 +24,12 @@ class SpanLimits:
 
 
 @dataclass(frozen=True)
-class ForwardInputs:
+class SpanInputs:
     hidden: torch.Tensor  # (batch, seq, hidden)
-    attention_mask: torch.Tensor | None  # (batch, seq) of 0/1
-    position_ids: torch.Tensor | None  # (batch, seq)
+    attention_mask: torch.Tensor | None = None  # (batch, seq) of 0/1
+    position_ids: torch.Tensor | None = None  # (batch, seq)
+    prompts: torch.Tensor | None = None  # (blocks, prefix, hidden) deep prompts
+    grad_outputs: torch.Tensor | None = None  # (batch, seq, hidden), backward only
 
 
 def check_blocks(start: int, end: int, limits: SpanLimits) -> None:
@@ -60,27 +62,56 @@ def _check_index_tensor(tensor: torch.Tensor, shape: tuple[int, ...], what: str)
         raise ProtocolError(f"{what} must have shape {shape}, got {tuple(tensor.shape)}")
 
 
-def check_forward(header: ForwardRequest, tensors: list[torch.Tensor], limits: SpanLimits) -> ForwardInputs:
-    """Validate a stateless forward request and return its typed inputs."""
+def _checked_mask(mask: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
+    _check_index_tensor(mask, (batch, seq), "attention_mask")
+    if not ((mask == 0) | (mask == 1)).all():
+        raise ProtocolError("attention_mask may only hold 0 and 1")
+    return mask.to(torch.int64)
+
+
+def _checked_positions(positions: torch.Tensor, batch: int, seq: int, limits: SpanLimits) -> torch.Tensor:
+    _check_index_tensor(positions, (batch, seq), "position_ids")
+    if positions.dtype == torch.bool or positions.min() < 0 or positions.max() >= limits.max_position:
+        raise ProtocolError(f"position_ids must lie in [0, {limits.max_position})")
+    return positions.to(torch.int64)
+
+
+def check_prompts(prompts: torch.Tensor, blocks: int, seq: int, limits: SpanLimits) -> None:
+    if prompts.dtype not in HIDDEN_DTYPES:
+        raise ProtocolError(f"prompts must be float32, bfloat16 or float16, not {prompts.dtype}")
+    if prompts.ndim != 3 or prompts.shape[0] != blocks or prompts.shape[2] != limits.hidden_size:
+        raise ProtocolError(
+            f"prompts must have shape ({blocks}, prefix, {limits.hidden_size}) for {blocks} blocks, "
+            f"got {tuple(prompts.shape)}"
+        )
+    if not 1 <= prompts.shape[1] <= seq:
+        raise ProtocolError(f"prompts cover {prompts.shape[1]} positions; the sequence has {seq}")
+    if not torch.isfinite(prompts).all():
+        raise ProtocolError("prompts contain NaN or infinite values")
+
+
+def check_span_request(header: ForwardRequest, tensors: list[torch.Tensor], limits: SpanLimits) -> SpanInputs:
+    """Validate a forward or backward request and return its typed inputs."""
     check_blocks(header.start_block, header.end_block, limits)
-    expected = 1 + header.has_attention_mask + header.has_position_ids
+    backward = isinstance(header, BackwardRequest)
+    expected = 1 + backward + header.has_attention_mask + header.has_position_ids + header.has_prompts
     if len(tensors) != expected:
-        raise ProtocolError(f"forward request declares {expected} tensors but carries {len(tensors)}")
-    hidden = tensors[0]
+        raise ProtocolError(f"{header.kind} request declares {expected} tensors but carries {len(tensors)}")
+    rest = iter(tensors)
+    hidden = next(rest)
     check_hidden(hidden, limits)
     batch, seq = hidden.shape[:2]
-    mask = positions = None
-    rest = iter(tensors[1:])
+    grad_outputs = mask = positions = prompts = None
+    if backward:
+        grad_outputs = next(rest)
+        check_hidden(grad_outputs, limits, what="grad_outputs")
+        if grad_outputs.shape != hidden.shape:
+            raise ProtocolError(f"grad_outputs has shape {tuple(grad_outputs.shape)}, not {tuple(hidden.shape)}")
     if header.has_attention_mask:
-        mask = next(rest)
-        _check_index_tensor(mask, (batch, seq), "attention_mask")
-        if not ((mask == 0) | (mask == 1)).all():
-            raise ProtocolError("attention_mask may only hold 0 and 1")
-        mask = mask.to(torch.int64)
+        mask = _checked_mask(next(rest), batch, seq)
     if header.has_position_ids:
-        positions = next(rest)
-        _check_index_tensor(positions, (batch, seq), "position_ids")
-        if positions.dtype == torch.bool or positions.min() < 0 or positions.max() >= limits.max_position:
-            raise ProtocolError(f"position_ids must lie in [0, {limits.max_position})")
-        positions = positions.to(torch.int64)
-    return ForwardInputs(hidden, mask, positions)
+        positions = _checked_positions(next(rest), batch, seq, limits)
+    if header.has_prompts:
+        prompts = next(rest)
+        check_prompts(prompts, header.end_block - header.start_block, seq, limits)
+    return SpanInputs(hidden, mask, positions, prompts, grad_outputs)
