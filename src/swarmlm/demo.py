@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 
@@ -10,7 +9,7 @@ import torch
 from transformers import TextStreamer
 
 from swarmlm.client.model import AutoDistributedModelForCausalLM
-from swarmlm.local_swarm import LocalSwarm, even_spans
+from swarmlm.local_swarm import start_even_swarm
 from swarmlm.models.loading import load_config, load_tokenizer, resolve_model
 
 
@@ -18,16 +17,10 @@ def run_demo(
     prompt: str, num_servers: int = 2, max_new_tokens: int = 64, model: str = "smollm2-135m-instruct"
 ) -> None:
     model_dir = resolve_model(model)  # convert once here, before servers start, rather than in every server
-    spans = even_spans(load_config(model_dir).num_hidden_layers, num_servers)
-    threads = max(1, (os.cpu_count() or 1) // num_servers)
     print(f"Starting {num_servers} local servers for {model} ...", flush=True)
     began = time.perf_counter()
-    with LocalSwarm(str(model_dir), threads_per_server=threads) as swarm:
-        swarm.start_servers(spans)
-        print(f"Swarm ready in {time.perf_counter() - began:.1f} s:")
-        for server in swarm.servers:
-            where = f"server ...{server.peer_id[-6:]} (pid {server.process.pid})"
-            print(f"  {where} serves blocks {server.start}:{server.end}")
+    with start_even_swarm(str(model_dir), load_config(model_dir).num_hidden_layers, num_servers) as swarm:
+        print(f"Swarm ready in {time.perf_counter() - began:.1f} s", flush=True)
         with AutoDistributedModelForCausalLM.from_pretrained(
             str(model_dir), initial_peers=swarm.initial_peers
         ) as distributed:

@@ -155,3 +155,18 @@ class LocalSwarm:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def start_even_swarm(model_dir: str, num_blocks: int, num_servers: int) -> LocalSwarm:
+    """A local swarm of num_servers servers splitting the blocks evenly, the machine's cores shared among them."""
+    threads = max(1, (os.cpu_count() or 1) // num_servers)
+    swarm = LocalSwarm(model_dir, threads_per_server=threads)
+    try:
+        swarm.start_servers(even_spans(num_blocks, num_servers))
+    except BaseException:
+        swarm.close()
+        raise
+    for server in swarm.servers:
+        where = f"server ...{server.peer_id[-6:]} (pid {server.process.pid})"
+        print(f"  {where} serves blocks {server.start}:{server.end}", flush=True)
+    return swarm

@@ -15,7 +15,7 @@ from hivemind.proto import runtime_pb2
 from swarmlm.client.loop import LoopThread
 from swarmlm.protocol import service
 from swarmlm.protocol.codec import encode, read_message
-from swarmlm.protocol.messages import ForwardRequest, ReplyHeader
+from swarmlm.protocol.messages import BackwardRequest, ForwardRequest, ReplyHeader
 from swarmlm.swarm.dht import start_dht
 from tests.conftest import LOGITS_ATOL, connected_model, load_reference, running_swarm
 
@@ -37,24 +37,26 @@ class RawClient:
         self.loop = LoopThread()
         self.p2p = self.loop.run(self.dht.replicate_p2p())
 
-    def send(self, parts: list[runtime_pb2.ExpertRequest]) -> tuple[ReplyHeader, list[torch.Tensor]]:
+    def send(self, parts: list, method: str = "rpc_forward") -> tuple[ReplyHeader, list[torch.Tensor]]:
         async def call() -> tuple[ReplyHeader, list[torch.Tensor]]:
             async def stream() -> AsyncIterator[runtime_pb2.ExpertRequest]:
                 for part in parts:
                     yield part
 
-            replies = await service.stub(self.p2p, self.peer).rpc_forward(stream())
+            replies = await getattr(service.stub(self.p2p, self.peer), method)(stream())
             return await read_message(replies, ReplyHeader, max_bytes=1 << 24)
 
         return self.loop.run(call())
 
     def forward(self, header: ForwardRequest | dict, tensors: list[torch.Tensor]) -> ReplyHeader:
+        """Send to rpc_forward or rpc_backward, by the header's kind."""
         if isinstance(header, dict):  # a header no honest client would build
             parts = [runtime_pb2.ExpertRequest(metadata=msgpack.packb({"header": header, "n_tensors": len(tensors)}))]
             parts[0].tensors.extend(one_chunk(t) for t in tensors)
         else:
             parts = list(encode(header, tensors, runtime_pb2.ExpertRequest))
-        return self.send(parts)[0]
+        kind = header["kind"] if isinstance(header, dict) else header.kind
+        return self.send(parts, method=f"rpc_{kind}")[0]
 
     def close(self) -> None:
         self.loop.run(self.p2p.shutdown())
@@ -100,6 +102,32 @@ CASES = {
     "unknown version": ({**V1, "protocol_version": 99}, [HIDDEN], "unsupported protocol version 99"),
     "unknown field": ({**V1, "sneaky": 1}, [HIDDEN], "Extra inputs are not permitted"),
     "wrongly typed field": ({**V1, "start_block": "0"}, [HIDDEN], "start_block"),
+    "backward without gradients": (BackwardRequest(start_block=0, end_block=5), [HIDDEN], "declares 2 tensors"),
+    "gradients of another shape": (
+        BackwardRequest(start_block=0, end_block=5),
+        [HIDDEN, torch.randn(1, 3, 64)],
+        "grad_outputs has shape",
+    ),
+    "NaN gradients": (
+        BackwardRequest(start_block=0, end_block=5),
+        [HIDDEN, torch.full((1, 4, 64), float("nan"))],
+        "NaN",
+    ),
+    "prompts for too few blocks": (
+        BackwardRequest(start_block=0, end_block=5, has_prompts=True),
+        [HIDDEN, HIDDEN, torch.zeros(4, 2, 64)],
+        "prompts must have shape (5, prefix, 64)",
+    ),
+    "prompts longer than the sequence": (
+        ForwardRequest(start_block=0, end_block=2, has_prompts=True),
+        [HIDDEN, torch.zeros(2, 5, 64)],
+        "prompts cover 5 positions",
+    ),
+    "NaN prompts": (
+        ForwardRequest(start_block=1, end_block=2, has_prompts=True),
+        [HIDDEN, torch.full((1, 2, 64), float("nan"))],
+        "prompts contain NaN",
+    ),
 }
 
 
@@ -119,6 +147,11 @@ def test_garbage_bytes_get_a_clear_error(raw: RawClient) -> None:
     part = runtime_pb2.ExpertRequest(metadata=msgpack.packb({"header": V1, "n_tensors": 1}), tensors=[broken])
     reply, _ = raw.send([part])
     assert reply.error_kind == "bad_request" and "cannot be decoded" in reply.error
+
+
+def test_a_forward_header_sent_to_backward_is_refused(raw: RawClient) -> None:
+    reply, _ = raw.send(list(encode(good_header(), [HIDDEN], runtime_pb2.ExpertRequest)), method="rpc_backward")
+    assert reply.error_kind == "bad_request" and "kind" in reply.error
 
 
 def test_server_keeps_serving_after_bad_requests(raw: RawClient, swarm, tiny_model_dir: Path) -> None:

@@ -52,7 +52,37 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--servers", type=int, default=2, help="how many local servers split the model")
     demo.add_argument("--max-new-tokens", type=int, default=64)
     demo.add_argument("--model", default=DEFAULT_MODEL, help="model to serve and chat with")
+    train = sub.add_parser("train", help="tune deep prompts on the shipped sentiment task through a swarm")
+    train.add_argument("--model", default=DEFAULT_MODEL, help="model to tune")
+    train.add_argument(
+        "--initial-peers", nargs="*", default=[], metavar="MADDR", help="use this swarm (default: start one)"
+    )
+    train.add_argument("--servers", type=int, default=2, help="servers of the local swarm")
+    train.add_argument("--tuning-mode", default="deep_ptune", choices=["ptune", "deep_ptune"])
+    train.add_argument("--pre-seq-len", type=int, default=8, help="prompt length")
+    train.add_argument("--steps", type=int, default=60)
+    train.add_argument("--batch-size", type=int, default=8)
+    train.add_argument("--lr", type=float, default=1e-2)
+    train.add_argument("--save", default=None, metavar="DIR", help="save the trained prompts here")
     return parser
+
+
+def _train(args: argparse.Namespace) -> None:
+    from swarmlm.train import TrainOptions, run_training
+
+    run_training(
+        TrainOptions(
+            model=args.model,
+            initial_peers=tuple(args.initial_peers),
+            servers=args.servers,
+            tuning_mode=args.tuning_mode,
+            pre_seq_len=args.pre_seq_len,
+            steps=args.steps,
+            batch_size=args.batch_size,
+            lr=args.lr,
+            save_dir=args.save,
+        )
+    )
 
 
 def _serve(args: argparse.Namespace) -> None:
@@ -98,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.verbose:
         logging.getLogger("hivemind").setLevel(logging.WARNING)
     try:
-        {"serve": _serve, "dht": _dht, "demo": _demo}[args.command](args)
+        {"serve": _serve, "dht": _dht, "demo": _demo, "train": _train}[args.command](args)
     except SwarmError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
