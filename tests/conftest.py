@@ -75,8 +75,8 @@ def connected_model(model: str | Path, swarm: LocalSwarm, **options: object) -> 
         model.close()
 
 
-# torch's shared-memory helper is started by torch itself and exits once its clients are gone
-NOT_OURS = {"torch_shm_manager"}
+# helpers of torch and of Python's multiprocessing that exit with their clients or with the interpreter
+NOT_OURS = ("torch_shm_manager", "multiprocessing.resource_tracker")
 
 
 def descendants() -> list[psutil.Process]:
@@ -84,9 +84,10 @@ def descendants() -> list[psutil.Process]:
     alive = []
     for process in psutil.Process(os.getpid()).children(recursive=True):
         try:
-            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE and process.name() not in NOT_OURS:
+            command = " ".join(process.cmdline())
+            if process.status() != psutil.STATUS_ZOMBIE and not any(name in command for name in NOT_OURS):
                 alive.append(process)
-        except psutil.NoSuchProcess:
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
             continue
     return alive
 
