@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--pre-seq-len", type=int, default=8, help="prompt length")
     train.add_argument("--steps", type=int, default=60)
     train.add_argument("--batch-size", type=int, default=8)
-    train.add_argument("--lr", type=float, default=1e-2)
+    train.add_argument("--lr", type=float, default=3e-3)
     train.add_argument("--save", default=None, metavar="DIR", help="save the trained prompts here")
     return parser
 
