@@ -23,6 +23,10 @@ class ServerConfig:
     announce_interval_s: float = 10.0  # how often the DHT record is refreshed
     record_ttl_s: float = 30.0  # how long a record lives without refresh (covers two missed refreshes)
     num_threads: int | None = None  # torch intra-op threads for compute (default: torch's choice)
+    cache_tokens: int | None = None  # KV-cache budget in tokens (batch * max_length summed over sessions)
+    alloc_timeout_s: float = 5.0  # how long a session waits for cache room before "server busy"
+    session_idle_timeout_s: float = 300.0  # an inference session without steps for this long is closed
+    inference_chunk_tokens: int = 1024  # long prompts are run through the blocks this many tokens at a time
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--cache-dir", default=None, help="where converted models are kept (default ~/.cache/swarmlm)")
     serve.add_argument("--max-tokens-per-request", type=int, default=ServerConfig.max_tokens_per_request)
     serve.add_argument("--num-threads", type=int, default=None, help="torch compute threads")
+    serve.add_argument(
+        "--cache-tokens", type=int, default=None, help="KV-cache budget in tokens (default: 1/4 of free memory)"
+    )
+    serve.add_argument(
+        "--alloc-timeout",
+        type=float,
+        default=ServerConfig.alloc_timeout_s,
+        help="seconds a session waits for cache room",
+    )
+    serve.add_argument("--session-idle-timeout", type=float, default=ServerConfig.session_idle_timeout_s)
 
     dht = sub.add_parser("dht", help="run a bootstrap-only DHT node that others join")
     _add_network_args(dht)
@@ -102,6 +112,9 @@ def _serve(args: argparse.Namespace) -> None:
         cache_dir=args.cache_dir,
         max_tokens_per_request=args.max_tokens_per_request,
         num_threads=args.num_threads,
+        cache_tokens=args.cache_tokens,
+        alloc_timeout_s=args.alloc_timeout,
+        session_idle_timeout_s=args.session_idle_timeout,
     )
     Server(config).run()
 

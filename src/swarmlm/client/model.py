@@ -11,6 +11,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from swarmlm.client.generation import RemoteGenerationMixin
 from swarmlm.client.prompts import PromptTuning
 from swarmlm.client.remote_sequential import RemoteSequential, SwarmClient
 from swarmlm.config import ClientConfig
@@ -22,7 +23,7 @@ from swarmlm.models.registry import ModelFamily, get_family
 logger = logging.getLogger(__name__)
 
 
-class DistributedCausalLMMixin:
+class DistributedCausalLMMixin(RemoteGenerationMixin):
     """Mixed into a family's HF causal LM class: its `model.layers` is a RemoteSequential."""
 
     family: ModelFamily
@@ -96,6 +97,10 @@ class DistributedCausalLMMixin:
     ) -> CausalLMOutputWithPast:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("give exactly one of input_ids and inputs_embeds")
+        if self._session is not None:
+            if input_ids is None or labels is not None:
+                raise ValueError("inside an inference session, forward takes input_ids and no labels")
+            return self._session_forward(input_ids, attention_mask, position_ids)
         if inputs_embeds is None:
             inputs_embeds = self.get_submodule(self.family.embed_name)(input_ids)
         if attention_mask is not None and bool(attention_mask.all()):

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 
 import torch
 from hivemind.p2p import P2PDaemonError, P2PHandlerError
@@ -13,16 +14,44 @@ from hivemind.proto import runtime_pb2
 from swarmlm.client.sequence_manager import SequenceManager
 from swarmlm.errors import BadRequestError, ProtocolError, RemoteCallError
 from swarmlm.protocol import service
-from swarmlm.protocol.codec import encode, read_only_message
+from swarmlm.protocol.codec import encode, read_message, read_only_message
 from swarmlm.protocol.messages import ReplyHeader, _Header
 
 # replies are never larger than this (hidden states of the largest request a server accepts, with room to spare)
 MAX_REPLY_BYTES = 1 << 31
+# transport failures: the server or the connection is gone
+_TRANSPORT_ERRORS = (P2PDaemonError, P2PHandlerError, ConnectionError, OSError, asyncio.IncompleteReadError)
 
 
 async def _as_stream(header: _Header, tensors: Sequence[torch.Tensor]) -> AsyncIterator[runtime_pb2.ExpertRequest]:
     for part in encode(header, tensors, runtime_pb2.ExpertRequest):
         yield part
+
+
+@contextlib.contextmanager
+def remote_errors(method: str, peer_id: str, timeout_s: float) -> Iterator[None]:
+    """Translate what can go wrong while talking to a server into RemoteCallError."""
+    try:
+        yield
+    except TimeoutError as e:
+        raise RemoteCallError(f"{method} timed out after {timeout_s:.0f} s", peer_id) from e
+    except _TRANSPORT_ERRORS as e:
+        raise RemoteCallError(f"{method} failed: {type(e).__name__}: {e}", peer_id) from e
+    except ProtocolError as e:
+        raise RemoteCallError(f"{method} got a malformed reply: {e}", peer_id) from e
+
+
+def check_reply(
+    message: tuple[ReplyHeader, list[torch.Tensor]] | None, method: str, peer_id: str
+) -> tuple[ReplyHeader, list[torch.Tensor]]:
+    """The reply's tensors, or BadRequestError (the request is invalid anywhere) / RemoteCallError (this server)."""
+    if message is None:
+        raise RemoteCallError(f"{method}: the server closed the stream without replying", peer_id)
+    reply, outputs = message
+    if not reply.ok:
+        error_type = BadRequestError if reply.error_kind == "bad_request" else RemoteCallError
+        raise error_type(f"server refused {method}: {reply.error}", peer_id)
+    return reply, outputs
 
 
 async def call_span(
@@ -31,23 +60,50 @@ async def call_span(
     """Send one request to `method` on `peer_id` and return the reply; raises BadRequestError when the server
     rejected the request as invalid and RemoteCallError for any failure of the server or the connection."""
     began = time.perf_counter()
-    try:
-        async with asyncio.timeout(manager.config.request_timeout_s):
+    timeout_s = manager.config.request_timeout_s
+    with remote_errors(method, peer_id, timeout_s):
+        async with asyncio.timeout(timeout_s):
             peer = await manager.ensure_connected(peer_id)
-            stub = service.stub(manager.p2p, peer)
-            replies = await getattr(stub, method)(_as_stream(header, tensors))
+            replies = await getattr(service.stub(manager.p2p, peer), method)(_as_stream(header, tensors))
             message = await read_only_message(replies, ReplyHeader, max_bytes=MAX_REPLY_BYTES)
-    except TimeoutError as e:
-        raise RemoteCallError(f"{method} timed out after {manager.config.request_timeout_s:.0f} s", peer_id) from e
-    except (P2PDaemonError, P2PHandlerError, ConnectionError, OSError, asyncio.IncompleteReadError) as e:
-        raise RemoteCallError(f"{method} failed: {type(e).__name__}: {e}", peer_id) from e
-    except ProtocolError as e:
-        raise RemoteCallError(f"{method} got a malformed reply: {e}", peer_id) from e
-    if message is None:
-        raise RemoteCallError(f"{method}: the server closed the stream without replying", peer_id)
-    reply, outputs = message
-    if not reply.ok:
-        error_type = BadRequestError if reply.error_kind == "bad_request" else RemoteCallError
-        raise error_type(f"server refused {method}: {reply.error}", peer_id)
+    reply, outputs = check_reply(message, method, peer_id)
     manager.record_success(peer_id, max(time.perf_counter() - began - reply.compute_ms / 1000, 0.0))
     return reply, outputs
+
+
+class SpanStream:
+    """A long-lived stream to one server (an inference session): send a message, read its one reply, repeat."""
+
+    def __init__(self, manager: SequenceManager, peer_id: str, method: str):
+        self.manager, self.peer_id, self.method = manager, peer_id, method
+        self._queue: asyncio.Queue[runtime_pb2.ExpertRequest | None] = asyncio.Queue()
+        self._replies: AsyncIterator[runtime_pb2.ExpertResponse] | None = None
+
+    async def _requests(self) -> AsyncIterator[runtime_pb2.ExpertRequest]:
+        while (part := await self._queue.get()) is not None:
+            yield part
+
+    async def exchange(self, header: _Header, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        began = time.perf_counter()
+        timeout_s = self.manager.config.request_timeout_s
+        with remote_errors(self.method, self.peer_id, timeout_s):
+            async with asyncio.timeout(timeout_s):
+                if self._replies is None:
+                    peer = await self.manager.ensure_connected(self.peer_id)
+                    stub = service.stub(self.manager.p2p, peer)
+                    self._replies = await getattr(stub, self.method)(self._requests())
+                for part in encode(header, tensors, runtime_pb2.ExpertRequest):
+                    self._queue.put_nowait(part)
+                message = await read_message(self._replies, ReplyHeader, max_bytes=MAX_REPLY_BYTES)
+        reply, outputs = check_reply(message, self.method, self.peer_id)
+        self.manager.record_success(self.peer_id, max(time.perf_counter() - began - reply.compute_ms / 1000, 0.0))
+        return outputs
+
+    async def close(self) -> None:
+        """End the stream (the server frees the session) and wait briefly for the server to finish it."""
+        self._queue.put_nowait(None)
+        if self._replies is not None:
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                async with asyncio.timeout(5):
+                    async for _ in self._replies:
+                        pass

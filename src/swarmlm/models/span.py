@@ -67,7 +67,8 @@ class SpanModel(nn.Module):
 
         attention_mask (batch, past + seq) and position_ids (batch, seq) follow the Hugging Face conventions;
         position_ids default to past + arange(seq), like the local model. prompts (end - start, prefix, hidden),
-        if given, are deep prompts: prompts[i] is added to the first `prefix` positions of block start+i's input.
+        if given, are deep prompts: prompts[i] is added to the first `prefix` positions of block start+i's input
+        (with a cache, to those of this call's tokens whose positions past + j fall inside the prefix).
         """
         start = self.start if start is None else start
         end = self.end if end is None else end
@@ -85,7 +86,7 @@ class SpanModel(nn.Module):
         position_embeddings = self.rotary(hidden, position_ids)
         for index, layer in enumerate(self.layers[start - self.start : end - self.start]):
             if prompts is not None:
-                hidden = add_prompt(hidden, prompts[index])
+                hidden = add_prompt(hidden, prompts[index], past)
             hidden = layer(
                 hidden,
                 attention_mask=mask,
@@ -97,8 +98,12 @@ class SpanModel(nn.Module):
         return hidden
 
 
-def add_prompt(hidden: torch.Tensor, prompt: torch.Tensor) -> torch.Tensor:
-    """hidden (batch, seq, hidden) with prompt (prefix, hidden) added to its first `prefix` positions, out of place
-    (autograd needs the original)."""
-    prefix = prompt.shape[0]
-    return torch.cat([hidden[:, :prefix] + prompt.to(hidden.dtype), hidden[:, prefix:]], dim=1)
+def add_prompt(hidden: torch.Tensor, prompt: torch.Tensor, past: int = 0) -> torch.Tensor:
+    """hidden (batch, seq, hidden), the tokens after `past` earlier ones, with prompt (prefix, hidden) added where
+    their positions fall inside the prefix; out of place (autograd needs the original)."""
+    overlap = max(0, min(prompt.shape[0] - past, hidden.shape[1]))
+    if overlap == 0:
+        return hidden
+    return torch.cat(
+        [hidden[:, :overlap] + prompt[past : past + overlap].to(hidden.dtype), hidden[:, overlap:]], dim=1
+    )

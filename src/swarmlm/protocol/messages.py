@@ -47,16 +47,45 @@ class BackwardRequest(ForwardRequest):
     kind: Literal["backward"] = "backward"  # type: ignore[assignment]
 
 
+class InferenceOpen(_Header):
+    """First message of an inference stream: reserve a KV cache for blocks [start_block, end_block).
+
+    No tensors. The reply (no tensors) confirms the reservation; then InferenceStep messages follow.
+    """
+
+    kind: Literal["open"] = "open"
+    start_block: int = Field(ge=0)
+    end_block: int = Field(ge=1)
+    batch_size: int = Field(ge=1)
+    max_length: int = Field(ge=1)  # tokens the session may hold, past and new together
+
+
+class InferenceStep(_Header):
+    """New tokens of an open session: their hidden states after the session's blocks, using and extending its cache.
+
+    Tensors, in order: hidden_states (batch, seq, hidden); if has_attention_mask, attention_mask (batch, past + seq)
+    of 0/1; if has_position_ids, position_ids (batch, seq); if has_hypo_ids, hypo_ids (batch,): the cache's rows are
+    reordered to these before the step (beam search); if has_prompts, deep prompts (blocks, prefix, hidden), added
+    where the step's positions fall inside the prefix. The reply carries the output hidden states.
+    """
+
+    kind: Literal["step"] = "step"
+    has_attention_mask: bool = False
+    has_position_ids: bool = False
+    has_hypo_ids: bool = False
+    has_prompts: bool = False
+
+
 class ReplyHeader(_Header):
     """The answer to a request: either tensors follow (ok) or an error explains what went wrong.
 
     error_kind "bad_request" means the request itself is invalid (another server would reject it too);
-    "server" means this server failed to serve it (the client may retry elsewhere).
+    "server" means this server failed to serve it, "busy" that it has no room now (the client may retry elsewhere).
     """
 
     ok: bool
     error: str | None = None
-    error_kind: Literal["bad_request", "server"] | None = None
+    error_kind: Literal["bad_request", "server", "busy"] | None = None
     compute_ms: float = 0.0
 
 

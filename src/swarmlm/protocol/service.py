@@ -12,13 +12,20 @@ from hivemind.proto import runtime_pb2
 
 
 class SpanService(ServicerBase):
-    """Each method takes a stream of request parts (one message, see protocol.codec) and streams back one reply."""
+    """rpc_forward and rpc_backward take one message (see protocol.codec) and stream back one reply; rpc_inference
+    takes InferenceOpen, then InferenceStep messages, answering each one, until the client ends the stream."""
 
     async def rpc_forward(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         raise NotImplementedError("served by swarmlm.server.handler.SpanHandler")
         yield  # pragma: no cover - makes this an async generator, like the implementation
+
+    async def rpc_inference(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        raise NotImplementedError("served by swarmlm.server.handler.SpanHandler")
+        yield  # pragma: no cover
 
     async def rpc_backward(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext

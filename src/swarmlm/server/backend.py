@@ -8,6 +8,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+from transformers.cache_utils import DynamicCache
 
 from swarmlm.models.span import SpanModel
 from swarmlm.server.validation import SpanInputs, SpanLimits
@@ -54,6 +55,40 @@ class SpanBackend:
                 results, answer_dtypes = [out], [inputs.hidden.dtype]
             results = [r.detach().to("cpu", dtype) for r, dtype in zip(results, answer_dtypes, strict=True)]
         return results, (time.perf_counter() - began) * 1000
+
+    async def step(
+        self, cache: DynamicCache, start: int, end: int, inputs: SpanInputs, chunk_tokens: int
+    ) -> tuple[list[torch.Tensor], float]:
+        """One inference step of a session owning `cache`: [hidden states of the new tokens], compute time in ms."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._step, cache, start, end, inputs, chunk_tokens)
+
+    def _step(
+        self, cache: DynamicCache, start: int, end: int, inputs: SpanInputs, chunk_tokens: int
+    ) -> tuple[list[torch.Tensor], float]:
+        began = time.perf_counter()
+        with torch.inference_mode():
+            if inputs.hypo_ids is not None:
+                cache.reorder_cache(inputs.hypo_ids.to(self.device))
+            hidden = inputs.hidden.to(self.device, self.dtype)
+            prompts = None if inputs.prompts is None else inputs.prompts.to(self.device, self.dtype)
+            batch, seq = hidden.shape[:2]
+            past = cache.get_seq_length(start)
+            # long prompts run in chunks, so a step's activations stay bounded whatever its length
+            chunk = max(1, chunk_tokens // batch)
+            outputs = []
+            for begin in range(0, seq, chunk):
+                stop = min(seq, begin + chunk)
+                mask = None if inputs.attention_mask is None else inputs.attention_mask[:, : past + stop]
+                positions = None if inputs.position_ids is None else inputs.position_ids[:, begin:stop]
+                out = self.span(
+                    hidden[:, begin:stop], start=start, end=end, cache=cache, prompts=prompts,
+                    attention_mask=None if mask is None else mask.to(self.device),
+                    position_ids=None if positions is None else positions.to(self.device),
+                )  # fmt: skip
+                outputs.append(out)
+            result = torch.cat(outputs, dim=1).to("cpu", inputs.hidden.dtype)
+        return [result], (time.perf_counter() - began) * 1000
 
     def _to_device(self, tensor: torch.Tensor, requires_grad: bool) -> torch.Tensor:
         return tensor.to(self.device, self.dtype).requires_grad_(requires_grad)

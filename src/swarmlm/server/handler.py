@@ -15,6 +15,7 @@ from swarmlm.errors import ProtocolError
 from swarmlm.protocol.codec import drain, encode, read_only_message
 from swarmlm.protocol.messages import BackwardRequest, ForwardRequest, ReplyHeader
 from swarmlm.server.backend import SpanBackend
+from swarmlm.server.inference import InferenceSessions
 from swarmlm.server.validation import check_span_request
 
 logger = logging.getLogger(__name__)
@@ -32,8 +33,8 @@ Replies = AsyncIterator[runtime_pb2.ExpertResponse]
 class SpanHandler:
     """Implements protocol.service.SpanService for the span served by `backend`."""
 
-    def __init__(self, backend: SpanBackend, request_timeout_s: float):
-        self.backend = backend
+    def __init__(self, backend: SpanBackend, inference: InferenceSessions, request_timeout_s: float):
+        self.backend, self.inference = backend, inference
         self.request_timeout_s = request_timeout_s
         limits = backend.limits
         token_bytes = limits.hidden_size * _BYTES_PER_HIDDEN_VALUE + 16  # hidden states, mask and position
@@ -47,6 +48,10 @@ class SpanHandler:
 
     async def rpc_backward(self, requests: Parts, context: P2PContext) -> Replies:
         async for part in self._serve(requests, context, BackwardRequest):
+            yield part
+
+    async def rpc_inference(self, requests: Parts, context: P2PContext) -> Replies:
+        async for part in self.inference.serve(requests, str(context.remote_id)[-6:]):
             yield part
 
     async def _serve(self, requests: Parts, context: P2PContext, header_type: type[ForwardRequest]) -> Replies:

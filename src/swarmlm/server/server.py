@@ -17,7 +17,9 @@ from swarmlm.models.naming import default_dht_prefix
 from swarmlm.models.span import SpanModel
 from swarmlm.protocol import service
 from swarmlm.server.backend import SpanBackend
+from swarmlm.server.cache import CacheBudget, default_cache_tokens
 from swarmlm.server.handler import SpanHandler
+from swarmlm.server.inference import InferenceSessions
 from swarmlm.swarm.dht import start_dht, visible_maddrs
 from swarmlm.swarm.records import ServerRecord, ServerState, announce
 
@@ -48,6 +50,10 @@ class Server:
         span = SpanModel.from_dir(model_dir, config.start_block, config.end_block, DTYPES[config.dtype], config.device)
         self.backend = SpanBackend(span, DTYPES[config.dtype], config.device, config.max_tokens_per_request)
         self.throughput = self.backend.measure_throughput()
+        span_config = span.config
+        self.cache_tokens = config.cache_tokens or default_cache_tokens(
+            span_config, config.end_block - config.start_block, DTYPES[config.dtype]
+        )
         self.dht: hivemind.DHT | None = None
 
     def run(self) -> None:
@@ -77,7 +83,15 @@ class Server:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         p2p = await self.dht.replicate_p2p()
-        servicer = SpanHandler(self.backend, self.config.request_timeout_s)
+        inference = InferenceSessions(
+            self.backend,
+            CacheBudget(self.cache_tokens),
+            alloc_timeout_s=self.config.alloc_timeout_s,
+            idle_timeout_s=self.config.session_idle_timeout_s,
+            chunk_tokens=self.config.inference_chunk_tokens,
+            max_message_bytes=self.config.max_tokens_per_request * self.backend.limits.hidden_size * 4 * 2 + (8 << 20),
+        )
+        servicer = SpanHandler(self.backend, inference, self.config.request_timeout_s)
         await service.register(p2p, servicer)
         peer_id, addrs = p2p.peer_id.to_base58(), visible_maddrs(self.dht)
         cfg = self.config

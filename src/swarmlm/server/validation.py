@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from swarmlm.errors import ProtocolError
-from swarmlm.protocol.messages import BackwardRequest, ForwardRequest
+from swarmlm.protocol.messages import BackwardRequest, ForwardRequest, InferenceOpen, InferenceStep
 
 # dtypes hidden states may arrive in; the server computes in its own dtype and answers in the sender's
 HIDDEN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -30,6 +30,7 @@ class SpanInputs:
     position_ids: torch.Tensor | None = None  # (batch, seq)
     prompts: torch.Tensor | None = None  # (blocks, prefix, hidden) deep prompts
     grad_outputs: torch.Tensor | None = None  # (batch, seq, hidden), backward only
+    hypo_ids: torch.Tensor | None = None  # (batch,) cache rows to reorder to before an inference step
 
 
 def check_blocks(start: int, end: int, limits: SpanLimits) -> None:
@@ -62,8 +63,8 @@ def _check_index_tensor(tensor: torch.Tensor, shape: tuple[int, ...], what: str)
         raise ProtocolError(f"{what} must have shape {shape}, got {tuple(tensor.shape)}")
 
 
-def _checked_mask(mask: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
-    _check_index_tensor(mask, (batch, seq), "attention_mask")
+def _checked_mask(mask: torch.Tensor, batch: int, length: int) -> torch.Tensor:
+    _check_index_tensor(mask, (batch, length), "attention_mask")
     if not ((mask == 0) | (mask == 1)).all():
         raise ProtocolError("attention_mask may only hold 0 and 1")
     return mask.to(torch.int64)
@@ -76,7 +77,7 @@ def _checked_positions(positions: torch.Tensor, batch: int, seq: int, limits: Sp
     return positions.to(torch.int64)
 
 
-def check_prompts(prompts: torch.Tensor, blocks: int, seq: int, limits: SpanLimits) -> None:
+def check_prompts(prompts: torch.Tensor, blocks: int, seq: int, limits: SpanLimits, any_length: bool = False) -> None:
     if prompts.dtype not in HIDDEN_DTYPES:
         raise ProtocolError(f"prompts must be float32, bfloat16 or float16, not {prompts.dtype}")
     if prompts.ndim != 3 or prompts.shape[0] != blocks or prompts.shape[2] != limits.hidden_size:
@@ -84,7 +85,7 @@ def check_prompts(prompts: torch.Tensor, blocks: int, seq: int, limits: SpanLimi
             f"prompts must have shape ({blocks}, prefix, {limits.hidden_size}) for {blocks} blocks, "
             f"got {tuple(prompts.shape)}"
         )
-    if not 1 <= prompts.shape[1] <= seq:
+    if not 1 <= prompts.shape[1] <= (limits.max_position if any_length else seq):
         raise ProtocolError(f"prompts cover {prompts.shape[1]} positions; the sequence has {seq}")
     if not torch.isfinite(prompts).all():
         raise ProtocolError("prompts contain NaN or infinite values")
@@ -115,3 +116,43 @@ def check_span_request(header: ForwardRequest, tensors: list[torch.Tensor], limi
         prompts = next(rest)
         check_prompts(prompts, header.end_block - header.start_block, seq, limits)
     return SpanInputs(hidden, mask, positions, prompts, grad_outputs)
+
+
+def check_open(header: InferenceOpen, limits: SpanLimits) -> None:
+    check_blocks(header.start_block, header.end_block, limits)
+    if header.max_length > limits.max_position:
+        raise ProtocolError(f"max_length {header.max_length} exceeds the model's context of {limits.max_position}")
+
+
+def check_step(
+    header: InferenceStep, tensors: list[torch.Tensor], limits: SpanLimits, session: InferenceOpen, past: int
+) -> SpanInputs:
+    """Validate one step of an open session that already holds `past` tokens."""
+    expected = 1 + header.has_attention_mask + header.has_position_ids + header.has_hypo_ids + header.has_prompts
+    if len(tensors) != expected:
+        raise ProtocolError(f"step declares {expected} tensors but carries {len(tensors)}")
+    rest = iter(tensors)
+    hidden = next(rest)
+    check_hidden(hidden, limits)
+    batch, seq = hidden.shape[:2]
+    if batch != session.batch_size:
+        raise ProtocolError(f"step has batch {batch}; the session was opened for batch {session.batch_size}")
+    if past + seq > session.max_length:
+        raise ProtocolError(
+            f"step would take the session to {past + seq} tokens, beyond its max_length of {session.max_length}"
+        )
+    mask = positions = hypo_ids = prompts = None
+    if header.has_attention_mask:
+        mask = _checked_mask(next(rest), batch, past + seq)
+    if header.has_position_ids:
+        positions = _checked_positions(next(rest), batch, seq, limits)
+    if header.has_hypo_ids:
+        hypo_ids = next(rest)
+        _check_index_tensor(hypo_ids, (batch,), "hypo_ids")
+        if hypo_ids.dtype == torch.bool or hypo_ids.min() < 0 or hypo_ids.max() >= batch:
+            raise ProtocolError(f"hypo_ids must lie in [0, {batch})")
+        hypo_ids = hypo_ids.to(torch.int64)
+    if header.has_prompts:
+        prompts = next(rest)
+        check_prompts(prompts, session.end_block - session.start_block, max(seq, 1), limits, any_length=True)
+    return SpanInputs(hidden, mask, positions, prompts, hypo_ids=hypo_ids)
