@@ -1,4 +1,4 @@
-"""`swarmlm demo`: a local swarm splitting the bundled model, answering one chat prompt with streamed tokens."""
+"""`swarmlm demo`: a local swarm splitting the bundled model answers a chat prompt (or chats), streaming tokens."""
 
 from __future__ import annotations
 
@@ -12,10 +12,14 @@ from swarmlm.client.model import AutoDistributedModelForCausalLM
 from swarmlm.local_swarm import start_even_swarm
 from swarmlm.models.loading import load_config, load_tokenizer, resolve_model
 
+# the longest conversation the interactive chat keeps in one inference session
+CHAT_MAX_TOKENS = 2048
+
 
 def run_demo(
-    prompt: str, num_servers: int = 2, max_new_tokens: int = 64, model: str = "smollm2-135m-instruct"
-) -> None:
+    prompt: str, num_servers: int = 2, max_new_tokens: int = 64, model: str = "smollm2-135m-instruct",
+    chat: bool = False,
+) -> None:  # fmt: skip
     model_dir = resolve_model(model)  # convert once here, before servers start, rather than in every server
     print(f"Starting {num_servers} local servers for {model} ...", flush=True)
     began = time.perf_counter()
@@ -24,19 +28,54 @@ def run_demo(
         with AutoDistributedModelForCausalLM.from_pretrained(
             str(model_dir), initial_peers=swarm.initial_peers
         ) as distributed:
-            _chat(distributed, load_tokenizer(model_dir), prompt, max_new_tokens)
+            tokenizer = load_tokenizer(model_dir)
+            if chat:
+                _interactive(distributed, tokenizer, max_new_tokens)
+            else:
+                _answer(distributed, tokenizer, prompt, max_new_tokens)
     print("Swarm stopped.")
 
 
-def _chat(model: torch.nn.Module, tokenizer: object, prompt: str, max_new_tokens: int) -> None:
-    messages = [{"role": "user", "content": prompt}]
-    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    print(f"\nUser: {prompt}\nAssistant: ", end="", flush=True)
+def _generate(model: torch.nn.Module, tokenizer: object, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     began = time.perf_counter()
-    output = model.generate(
-        **inputs, max_new_tokens=max_new_tokens, do_sample=False, use_cache=False, streamer=streamer
-    )
-    new_tokens = output.shape[1] - inputs["input_ids"].shape[1]
+    output = model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False, streamer=streamer)
+    new_tokens = output.shape[1] - input_ids.shape[1]
     elapsed = time.perf_counter() - began
-    print(f"\n[{new_tokens} tokens in {elapsed:.1f} s, {new_tokens / elapsed:.1f} tokens/s]", file=sys.stderr)
+    print(f"[{new_tokens} tokens in {elapsed:.1f} s, {new_tokens / elapsed:.1f} tokens/s]", file=sys.stderr)
+    return output
+
+
+def _answer(model: torch.nn.Module, tokenizer: object, prompt: str, max_new_tokens: int) -> None:
+    messages = [{"role": "user", "content": prompt}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    print(f"\nUser: {prompt}\nAssistant: ", end="", flush=True)
+    _generate(model, tokenizer, ids["input_ids"], max_new_tokens)
+
+
+def _interactive(model: torch.nn.Module, tokenizer: object, max_new_tokens: int) -> None:
+    """A chat in one inference session: each turn sends only its own tokens; the servers keep the rest."""
+    print("\nChat with the swarm (an empty line or Ctrl-D ends it).")
+    conversation: list[dict[str, str]] = []
+    ids: torch.Tensor | None = None
+    with model.inference_session(max_length=CHAT_MAX_TOKENS):
+        while True:
+            try:
+                text = input("\nYou: ").strip()
+            except EOFError:
+                break
+            if not text:
+                break
+            rendered = tokenizer.apply_chat_template(conversation, tokenize=False) if conversation else ""
+            conversation.append({"role": "user", "content": text})
+            full = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+            new = tokenizer(full[len(rendered) :], return_tensors="pt", add_special_tokens=False).input_ids
+            ids = new if ids is None else torch.cat([ids, new], dim=1)
+            if ids.shape[1] + max_new_tokens > CHAT_MAX_TOKENS:
+                print(f"The conversation reached {CHAT_MAX_TOKENS} tokens; start a new chat to go on.")
+                break
+            print("Assistant: ", end="", flush=True)
+            output = _generate(model, tokenizer, ids, max_new_tokens)
+            answer = tokenizer.decode(output[0, ids.shape[1] :], skip_special_tokens=True)
+            conversation.append({"role": "assistant", "content": answer})
+            ids = output

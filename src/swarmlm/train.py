@@ -117,7 +117,7 @@ class TrainOptions:
     servers: int = 2  # servers of the local swarm
     tuning_mode: str = "deep_ptune"  # ptune | deep_ptune
     pre_seq_len: int = 8  # prompt length
-    steps: int = 60  # optimizer steps
+    steps: int = 30  # optimizer steps
     batch_size: int = 8  # examples per step
     lr: float = 3e-3  # Adam learning rate (1e-2 and above diverge on this task)
     held_out: int = 80  # examples kept for the accuracy check

@@ -62,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--servers", type=int, default=2, help="how many local servers split the model")
     demo.add_argument("--max-new-tokens", type=int, default=64)
     demo.add_argument("--model", default=DEFAULT_MODEL, help="model to serve and chat with")
+    demo.add_argument("--chat", action="store_true", help="chat interactively, keeping one session across turns")
     train = sub.add_parser("train", help="tune deep prompts on the shipped sentiment task through a swarm")
     train.add_argument("--model", default=DEFAULT_MODEL, help="model to tune")
     train.add_argument(
@@ -70,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--servers", type=int, default=2, help="servers of the local swarm")
     train.add_argument("--tuning-mode", default="deep_ptune", choices=["ptune", "deep_ptune"])
     train.add_argument("--pre-seq-len", type=int, default=8, help="prompt length")
-    train.add_argument("--steps", type=int, default=60)
+    train.add_argument("--steps", type=int, default=30)
     train.add_argument("--batch-size", type=int, default=8)
     train.add_argument("--lr", type=float, default=3e-3)
     train.add_argument("--save", default=None, metavar="DIR", help="save the trained prompts here")
@@ -128,7 +129,13 @@ def _dht(args: argparse.Namespace) -> None:
 def _demo(args: argparse.Namespace) -> None:
     from swarmlm.demo import run_demo
 
-    run_demo(prompt=args.prompt, num_servers=args.servers, max_new_tokens=args.max_new_tokens, model=args.model)
+    run_demo(
+        prompt=args.prompt,
+        num_servers=args.servers,
+        max_new_tokens=args.max_new_tokens,
+        model=args.model,
+        chat=args.chat,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
