@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from pathlib import Path
@@ -35,6 +36,8 @@ IDLE_TIMEOUT_S = 3.0  # a session without steps for this long is closed by the s
 REQUEST_TIMEOUT_S = 20.0
 # the server computes in float32 like the local span: outputs agree to rounding
 ATOL = 1e-4
+# hidden states of this many tokens (64 MB) are far beyond what one message to the server may carry
+OVERSIZED_TOKENS = 250_000
 
 T = TypeVar("T")
 
@@ -112,20 +115,25 @@ class SessionClient:
             self.streams.remove(stream)
 
     def raw_open(self, header: InferenceOpen) -> ReplyHeader:
-        """Send one InferenceOpen, end the stream, and return the server's reply header as it came."""
+        """Send one InferenceOpen and return the server's reply header as it came; then end the stream."""
 
         async def call() -> ReplyHeader:
+            replied = asyncio.Event()
+
+            async def parts() -> AsyncIterator[runtime_pb2.ExpertRequest]:
+                for part in encode(header, [], runtime_pb2.ExpertRequest):
+                    yield part
+                await replied.wait()  # like SpanStream: nothing more is written before the reply has been read
+
             async with asyncio.timeout(REQUEST_TIMEOUT_S):
                 peer = await self.manager.ensure_connected(self.peer_id)
-
-                async def parts() -> AsyncIterator[runtime_pb2.ExpertRequest]:
-                    for part in encode(header, [], runtime_pb2.ExpertRequest):
-                        yield part
-
                 replies = await service.stub(self.manager.p2p, peer).rpc_inference(parts())
                 message = await read_message(replies, ReplyHeader, max_bytes=1 << 20)
-                async for _ in replies:  # the server ends the stream: the session (if any) is over
-                    pass
+                replied.set()
+                # a refused stream is already closed, so ending it may fail: only the reply above matters
+                with contextlib.suppress(Exception):
+                    async for _ in replies:
+                        pass
             assert message is not None, "the server ended the stream without a reply"
             return message[0]
 
@@ -296,6 +304,29 @@ def test_bad_steps_get_clear_errors_and_the_session_goes_on(client: SessionClien
     assert cache.get_seq_length(0) == 6
     bad_step("to 9 tokens, beyond its max_length of 8", hidden_states(1, 3, seed=0))
     good_step(2)  # exactly max_length
+
+
+def test_an_oversized_step_gets_a_bad_request_reply_not_a_broken_stream(client: SessionClient) -> None:
+    """The server stops reading a message over its size limit, answers bad_request and ends the stream. The client
+    is still writing the rest of the message then: the answer must still reach it (as it does for rpc_forward,
+    whose handler drains the request before closing), not be lost to a broken pipe that reads as a server failure
+    (after which a client bans a healthy server and replays the same bad step elsewhere)."""
+    oversized = torch.zeros(1, OVERSIZED_TOKENS, HIDDEN_SIZE)
+    outcomes = []
+    for _ in range(10):
+        stream = client.open(1, CACHE_TOKENS)  # the whole budget: each refusal must also free its session
+        try:
+            client.step(stream, oversized)
+            outcomes.append("accepted")
+        except BadRequestError as e:
+            assert "more than" in str(e) and "bytes of tensors" in str(e)
+            outcomes.append("bad_request")
+        except RemoteCallError as e:
+            outcomes.append(f"RemoteCallError: {e}")
+        client.close(stream)
+    assert outcomes == ["bad_request"] * len(outcomes), (
+        "an oversized step must always get its bad_request reply; got:\n" + "\n".join(outcomes)
+    )
 
 
 def test_a_step_before_open_is_a_bad_request(client: SessionClient) -> None:

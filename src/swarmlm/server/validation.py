@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -91,16 +92,24 @@ def check_prompts(prompts: torch.Tensor, blocks: int, seq: int, limits: SpanLimi
         raise ProtocolError("prompts contain NaN or infinite values")
 
 
+def _hidden_first(
+    tensors: list[torch.Tensor], expected: int, what: str, limits: SpanLimits
+) -> tuple[torch.Tensor, Iterator[torch.Tensor]]:
+    """The checked hidden states a message starts with, and an iterator over the tensors after them."""
+    if len(tensors) != expected:
+        raise ProtocolError(f"{what} declares {expected} tensors but carries {len(tensors)}")
+    rest = iter(tensors)
+    hidden = next(rest)
+    check_hidden(hidden, limits)
+    return hidden, rest
+
+
 def check_span_request(header: ForwardRequest, tensors: list[torch.Tensor], limits: SpanLimits) -> SpanInputs:
     """Validate a forward or backward request and return its typed inputs."""
     check_blocks(header.start_block, header.end_block, limits)
     backward = isinstance(header, BackwardRequest)
     expected = 1 + backward + header.has_attention_mask + header.has_position_ids + header.has_prompts
-    if len(tensors) != expected:
-        raise ProtocolError(f"{header.kind} request declares {expected} tensors but carries {len(tensors)}")
-    rest = iter(tensors)
-    hidden = next(rest)
-    check_hidden(hidden, limits)
+    hidden, rest = _hidden_first(tensors, expected, f"{header.kind} request", limits)
     batch, seq = hidden.shape[:2]
     grad_outputs = mask = positions = prompts = None
     if backward:
@@ -129,11 +138,7 @@ def check_step(
 ) -> SpanInputs:
     """Validate one step of an open session that already holds `past` tokens."""
     expected = 1 + header.has_attention_mask + header.has_position_ids + header.has_hypo_ids + header.has_prompts
-    if len(tensors) != expected:
-        raise ProtocolError(f"step declares {expected} tensors but carries {len(tensors)}")
-    rest = iter(tensors)
-    hidden = next(rest)
-    check_hidden(hidden, limits)
+    hidden, rest = _hidden_first(tensors, expected, "step", limits)
     batch, seq = hidden.shape[:2]
     if batch != session.batch_size:
         raise ProtocolError(f"step has batch {batch}; the session was opened for batch {session.batch_size}")
