@@ -103,7 +103,8 @@ class SpanStream:
         """End the stream (the server frees the session) and wait briefly for the server to finish it."""
         self._queue.put_nowait(None)
         if self._replies is not None:
-            with contextlib.suppress(Exception, asyncio.CancelledError):
+            # best effort: the session is over for us whatever the server says now
+            with contextlib.suppress(Exception):
                 async with asyncio.timeout(5):
                     async for _ in self._replies:
                         pass

@@ -1,0 +1,95 @@
+"""Benchmark: deep prompt tuning steps/s (forward + backward, batch 4x64) through a 2-server loopback swarm against
+the same computation in one local process (same weights, fp32)."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from swarmlm.client.model import AutoDistributedModelForCausalLM
+from swarmlm.client.prompts import PromptTuning
+from swarmlm.local_swarm import LocalSwarm, even_spans
+from swarmlm.models.loading import DEFAULT_MODEL, load_config, resolve_model
+
+BATCH, SEQ, PRE_SEQ_LEN = 4, 64, 8
+
+
+class LocalDeepPtune(torch.nn.Module):
+    """Deep prompt tuning in one process: hooks add each block's prompt to the first positions of its input."""
+
+    def __init__(self, model: torch.nn.Module, tuning: PromptTuning):
+        super().__init__()
+        self.model, self.tuning = model.requires_grad_(False), tuning
+        for index, layer in enumerate(model.model.layers):
+            layer.register_forward_pre_hook(self._hook(index))
+
+    def _hook(self, index: int) -> Callable:
+        def add_prompt(module: torch.nn.Module, args: tuple) -> tuple:
+            hidden = torch.cat(
+                [args[0][:, :PRE_SEQ_LEN] + self.tuning.deep_prompts[index], args[0][:, PRE_SEQ_LEN:]], 1
+            )
+            return (hidden, *args[1:])
+
+        return add_prompt
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        embeds = self.model.model.embed_tokens(input_ids)
+        embeds, _, _ = self.tuning.extend(embeds, None, None)
+        logits = self.model(inputs_embeds=embeds).logits[:, PRE_SEQ_LEN:]
+        return self.model.loss_function(logits=logits, labels=labels, vocab_size=logits.shape[-1])
+
+
+def steps_per_s(loss_fn: Callable[[], torch.Tensor], params: list, repeats: int) -> tuple[float, float]:
+    """Median optimizer steps per second after one warm-up step, and the first loss."""
+    optimizer = torch.optim.Adam(params, lr=1e-3)
+    durations, first = [], None
+    for step in range(repeats + 1):
+        began = time.perf_counter()
+        loss = loss_fn()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        first = loss.item() if first is None else first
+        if step:
+            durations.append(time.perf_counter() - began)
+    return 1 / statistics.median(durations), first
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    model_dir = resolve_model(args.model)
+    config = load_config(model_dir)
+    ids = torch.randint(0, config.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    print(f"model {args.model}, deep_ptune pre_seq_len {PRE_SEQ_LEN}, batch {BATCH}x{SEQ}, fp32, "
+          f"torch threads {torch.get_num_threads()} (local and each server)")  # fmt: skip
+
+    torch.manual_seed(0)
+    tuning = PromptTuning("deep_ptune", PRE_SEQ_LEN, config.hidden_size, config.num_hidden_layers)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa", dtype=torch.float32)
+    local = LocalDeepPtune(reference, tuning)
+    local_rate, local_loss = steps_per_s(lambda: local(ids, ids), list(tuning.parameters()), args.repeats)
+
+    with LocalSwarm(str(model_dir)) as swarm:
+        swarm.start_servers(even_spans(config.num_hidden_layers, 2))
+        torch.manual_seed(0)
+        with AutoDistributedModelForCausalLM.from_pretrained(
+            str(model_dir), initial_peers=swarm.initial_peers, tuning_mode="deep_ptune", pre_seq_len=PRE_SEQ_LEN
+        ) as model:
+            params = [p for p in model.parameters() if p.requires_grad]
+            swarm_rate, swarm_loss = steps_per_s(lambda: model(input_ids=ids, labels=ids).loss, params, args.repeats)
+    if abs(swarm_loss - local_loss) > 1e-4:
+        raise SystemExit(f"first loss differs: swarm {swarm_loss:.6f}, local {local_loss:.6f}")
+    print(f"\n{'metric':<34}{'local':>10}{'swarm':>10}{'ratio (swarm/local)':>22}")
+    print(f"{'train steps/s (fwd+bwd)':<34}{local_rate:>10.3f}{swarm_rate:>10.3f}{swarm_rate / local_rate:>22.2f}")
+
+
+if __name__ == "__main__":
+    main()
