@@ -137,7 +137,9 @@ class SessionClient:
 
         return self.run(call())
 
-    def send_then_read(self, messages: list[tuple[InferenceOpen | InferenceStep, list[torch.Tensor]]]) -> list:
+    def send_then_read(
+        self, messages: list[tuple[InferenceOpen | InferenceStep, list[torch.Tensor]]]
+    ) -> list[ReplyHeader]:
         """Write all messages and end the stream; read the replies only once writing has finished (or failed)."""
 
         async def call() -> list[ReplyHeader]:

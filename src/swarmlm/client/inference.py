@@ -105,6 +105,7 @@ class InferenceSession:
                 try:
                     await span_session.open(self.batch_size, self.max_length)
                 except RemoteCallError as e:
+                    await span_session.stream.close()
                     retry.failed(span, e)
                     break
                 opened.append(span_session)

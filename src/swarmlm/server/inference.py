@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -11,7 +12,7 @@ from hivemind.proto import runtime_pb2
 from transformers.cache_utils import DynamicCache
 
 from swarmlm.errors import ProtocolError
-from swarmlm.protocol.codec import encode, read_message
+from swarmlm.protocol.codec import drain, encode, read_message
 from swarmlm.protocol.messages import InferenceOpen, InferenceStep, ReplyHeader
 from swarmlm.server.backend import SpanBackend
 from swarmlm.server.cache import CacheBudget, ServerBusyError
@@ -20,6 +21,8 @@ from swarmlm.server.validation import check_open, check_step
 logger = logging.getLogger(__name__)
 
 Replies = AsyncIterator[runtime_pb2.ExpertResponse]
+# longest wait for a client to finish sending after its stream was refused
+DRAIN_TIMEOUT_S = 30.0
 
 
 class InferenceSessions:
@@ -49,6 +52,7 @@ class InferenceSessions:
             kind = "busy" if isinstance(e, ServerBusyError) else "bad_request"
             logger.warning("inference open refused peer=...%s: %s", peer, e)
             yield _reply(ReplyHeader(ok=False, error=str(e) or "no open message in time", error_kind=kind))
+            await self._drain(requests)
             return
         self.open_sessions += 1
         logger.info("inference open blocks=%d:%d batch=%d max_length=%d peer=...%s",
@@ -74,6 +78,7 @@ class InferenceSessions:
                 return
             except ProtocolError as e:
                 yield _reply(ReplyHeader(ok=False, error=str(e), error_kind="bad_request"))
+                await self._drain(requests)
                 return  # the stream itself is broken: nothing after this can be parsed
             if message is None:
                 return  # the client closed the session
@@ -94,6 +99,11 @@ class InferenceSessions:
                         past, peer, (time.perf_counter() - began) * 1000)  # fmt: skip
             for part in encode(ReplyHeader(ok=True, compute_ms=compute_ms), outputs, runtime_pb2.ExpertResponse):
                 yield part
+
+    async def _drain(self, requests: AsyncIterator) -> None:
+        """Read what the client still sends after an error reply, so that its writes do not break the reply."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(drain(requests, self.max_message_bytes), min(self.idle_timeout_s, DRAIN_TIMEOUT_S))
 
 
 def _reply(header: ReplyHeader) -> runtime_pb2.ExpertResponse:
