@@ -40,7 +40,7 @@ class LocalDeepPtune(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         embeds = self.model.model.embed_tokens(input_ids)
         embeds, _, _ = self.tuning.extend(embeds, None, None)
-        logits = self.model(inputs_embeds=embeds).logits[:, PRE_SEQ_LEN:]
+        logits = self.model(inputs_embeds=embeds).logits[:, PRE_SEQ_LEN:].contiguous()
         return self.model.loss_function(logits=logits, labels=labels, vocab_size=logits.shape[-1])
 
 

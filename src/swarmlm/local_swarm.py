@@ -92,7 +92,8 @@ class LocalSwarm:
         if self.threads_per_server:
             args += ["--num-threads", str(self.threads_per_server)]
         log_path = self.log_dir / f"server-{len(self.servers)}-{start}-{end}.log"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # co-located servers share the cores: OpenMP threads that spin after their work would slow the next server
+        env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, "PYTHONUNBUFFERED": "1"}
         process = spawn_bound(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
         server = LocalServer(start, end, process, log_path)
         threading.Thread(target=self._pump, args=(server,), daemon=True).start()
