@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -150,6 +151,7 @@ class LocalSwarm:
         for server in self.servers:
             self.stop_server(server)
         self.dht.shutdown()
+        shutil.rmtree(self.log_dir, ignore_errors=True)
 
     def __enter__(self) -> LocalSwarm:
         return self

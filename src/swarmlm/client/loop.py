@@ -29,7 +29,12 @@ class LoopThread:
         if self.loop.is_closed() or not self._thread.is_alive():
             coro.close()
             raise RuntimeError("the client's event loop is closed")
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result(timeout)
+        except BaseException:
+            future.cancel()  # an interrupted caller (Ctrl-C, timeout) must not leave the call running
+            raise
 
     def close(self) -> None:
         if self._thread.is_alive():
