@@ -108,6 +108,19 @@ def test_sub_batches_give_the_same_outputs_and_gradients(reference, tuned, repli
         assert_close(b, c)
 
 
+def test_generation_with_deep_prompts_equals_local_greedy_decoding(reference, tuned, replicated_swarm) -> None:
+    model = tuned(replicated_swarm)
+    ids = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(7))
+    expected = ids
+    with torch.no_grad():  # local greedy decoding by full recomputation, prompts added by hooks
+        for _ in range(6):
+            embeds = reference.model.embed_tokens(expected)
+            next_ids = local_deep_ptune_logits(reference, embeds, model.prompt_tuning)[:, -1].argmax(-1)
+            expected = torch.cat([expected, next_ids[:, None]], dim=1)
+    output = model.generate(ids, max_new_tokens=6, do_sample=False)  # through server-side caches
+    assert output.tolist() == expected.tolist()
+
+
 def test_sigkill_between_forward_and_backward_keeps_gradients_exact(reference, tuned, replicated_swarm) -> None:
     ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(5))
     weights = torch.randn(2, 7, 128, generator=torch.Generator().manual_seed(6))

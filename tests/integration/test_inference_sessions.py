@@ -25,6 +25,7 @@ from swarmlm.models.span import SpanModel
 from swarmlm.protocol import service
 from swarmlm.protocol.codec import encode, read_message
 from swarmlm.protocol.messages import InferenceOpen, InferenceStep, ReplyHeader
+from swarmlm.server.validation import max_message_bytes
 from tests.conftest import running_swarm
 
 NUM_BLOCKS = 5
@@ -330,8 +331,8 @@ def test_bad_steps_get_clear_errors_and_the_session_goes_on(client: SessionClien
     good_step(2)  # exactly max_length
 
 
-# one step message may carry 12 MiB of tensors (--max-tokens-per-request 8192 * 64 values * 4 bytes * 2 + 8 MiB)
-STEP_LIMIT_TOKENS = (8192 * HIDDEN_SIZE * 4 * 2 + (8 << 20)) // (HIDDEN_SIZE * 4)
+# the most float32 tokens one step message may carry (the server's default --max-tokens-per-request is 8192)
+STEP_LIMIT_TOKENS = max_message_bytes(8192, HIDDEN_SIZE) // (HIDDEN_SIZE * 4)
 REFUSED_WHILE_WRITING = {
     # the server reads the open, then stops inside the step at its size limit, 6 MiB before the step's end
     "step over the size limit": (

@@ -83,21 +83,15 @@ class RemoteGenerationMixin:
         embeds = self.get_submodule(self.family.embed_name)(new_ids)
         if position_ids is not None:
             position_ids = position_ids[:, seen:]
-        tuning, prefix, prompts = self.prompt_tuning, 0, None
-        if tuning is not None:
-            prefix = tuning.pre_seq_len
-            if seen == 0:
-                embeds, _, _ = tuning.extend(embeds, None, None)
-            if position_ids is not None:
-                position_ids = (
-                    position_ids + prefix
-                    if seen
-                    else torch.cat([torch.arange(prefix).expand(len(new_ids), -1), position_ids + prefix], dim=1)
-                )
-            if tuning.deep_prompts is not None and seen < prefix:
-                prompts = tuning.deep_prompts.detach()
-            if attention_mask is not None:
-                attention_mask = torch.cat([attention_mask.new_ones(len(new_ids), prefix), attention_mask], dim=1)
+        tuning, prompts = self.prompt_tuning, None
+        if tuning is not None and seen == 0:
+            # the first step carries the prompt: its embeddings in front, its deep prompts to the servers
+            embeds, attention_mask, position_ids = tuning.extend(embeds, attention_mask, position_ids)
+            prompts = None if tuning.deep_prompts is None else tuning.deep_prompts.detach()
+        elif tuning is not None:
+            # the mask covers the whole sequence, prompt included; new positions come after the prompt
+            attention_mask = tuning.extend_mask(attention_mask)
+            position_ids = None if position_ids is None else position_ids + tuning.pre_seq_len
         if attention_mask is not None and bool(attention_mask.all()):
             attention_mask = None
         args = StepArgs(attention_mask, position_ids, hypo_ids, prompts)
@@ -106,5 +100,5 @@ class RemoteGenerationMixin:
         state.token_ids = input_ids
         hidden = self.get_submodule(self.family.norm_name)(hidden.to(embeds.dtype))
         if tuning is not None and seen == 0:
-            hidden = hidden[:, prefix:]
+            hidden = hidden[:, tuning.pre_seq_len :]
         return CausalLMOutputWithPast(logits=self.get_submodule(self.family.head_name)(hidden))

@@ -44,13 +44,17 @@ class PromptTuning(nn.Module):
         batch, n = embeds.shape[0], self.pre_seq_len
         prompt = self.prompt_embeddings.to(embeds.dtype).unsqueeze(0).expand(batch, -1, -1)
         embeds = torch.cat([prompt, embeds], dim=1)
-        if attention_mask is not None:
-            ones = attention_mask.new_ones(batch, n)
-            attention_mask = torch.cat([ones, attention_mask], dim=1)
+        attention_mask = self.extend_mask(attention_mask)
         if position_ids is not None:
             prefix = torch.arange(n, device=position_ids.device).unsqueeze(0).expand(batch, -1)
             position_ids = torch.cat([prefix, position_ids + n], dim=1)
         return embeds, attention_mask, position_ids
+
+    def extend_mask(self, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+        """The mask (batch, length) of a sequence with the prompt in front: ones for the prompt positions."""
+        if attention_mask is None:
+            return None
+        return torch.cat([attention_mask.new_ones(attention_mask.shape[0], self.pre_seq_len), attention_mask], dim=1)
 
     def save(self, directory: str | os.PathLike) -> Path:
         directory = Path(directory)

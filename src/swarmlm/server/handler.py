@@ -16,15 +16,9 @@ from swarmlm.protocol.codec import drain, encode, read_only_message
 from swarmlm.protocol.messages import BackwardRequest, ForwardRequest, ReplyHeader
 from swarmlm.server.backend import SpanBackend
 from swarmlm.server.inference import InferenceSessions
-from swarmlm.server.validation import check_span_request
+from swarmlm.server.validation import check_span_request, max_message_bytes
 
 logger = logging.getLogger(__name__)
-
-# bytes per value of the largest hidden-state dtype
-_BYTES_PER_HIDDEN_VALUE = 4
-# requests up to this multiple of the token limit are read in full, so the token check can say what is wrong;
-# larger ones are cut off while arriving (a backward request carries hidden states and their gradients)
-_READ_SLACK = 4
 
 Parts = AsyncIterator[runtime_pb2.ExpertRequest]
 Replies = AsyncIterator[runtime_pb2.ExpertResponse]
@@ -36,9 +30,7 @@ class SpanHandler:
     def __init__(self, backend: SpanBackend, inference: InferenceSessions, request_timeout_s: float):
         self.backend, self.inference = backend, inference
         self.request_timeout_s = request_timeout_s
-        limits = backend.limits
-        token_bytes = limits.hidden_size * _BYTES_PER_HIDDEN_VALUE + 16  # hidden states, mask and position
-        self.max_request_bytes = _READ_SLACK * limits.max_tokens * token_bytes + (8 << 20)  # + room for prompts
+        self.max_request_bytes = max_message_bytes(backend.limits.max_tokens, backend.limits.hidden_size)
         self.served = 0  # requests answered successfully
         self.rejected = 0  # requests refused as bad or failed on this server
 

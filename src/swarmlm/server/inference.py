@@ -16,7 +16,7 @@ from swarmlm.protocol.codec import drain, encode, read_message
 from swarmlm.protocol.messages import InferenceOpen, InferenceStep, ReplyHeader
 from swarmlm.server.backend import SpanBackend
 from swarmlm.server.cache import CacheBudget, ServerBusyError
-from swarmlm.server.validation import check_open, check_step
+from swarmlm.server.validation import check_open, check_step, max_message_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -30,11 +30,12 @@ class InferenceSessions:
 
     def __init__(
         self, backend: SpanBackend, budget: CacheBudget, *, alloc_timeout_s: float, idle_timeout_s: float,
-        chunk_tokens: int, max_message_bytes: int,
+        chunk_tokens: int,
     ):  # fmt: skip
         self.backend, self.budget = backend, budget
         self.alloc_timeout_s, self.idle_timeout_s = alloc_timeout_s, idle_timeout_s
-        self.chunk_tokens, self.max_message_bytes = chunk_tokens, max_message_bytes
+        self.chunk_tokens = chunk_tokens
+        self.max_message_bytes = max_message_bytes(backend.limits.max_tokens, backend.limits.hidden_size)
         self.open_sessions = 0
 
     async def serve(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], peer: str) -> Replies:

@@ -89,7 +89,6 @@ class Server:
             alloc_timeout_s=self.config.alloc_timeout_s,
             idle_timeout_s=self.config.session_idle_timeout_s,
             chunk_tokens=self.config.inference_chunk_tokens,
-            max_message_bytes=self.config.max_tokens_per_request * self.backend.limits.hidden_size * 4 * 2 + (8 << 20),
         )
         servicer = SpanHandler(self.backend, inference, self.config.request_timeout_s)
         await service.register(p2p, servicer)

@@ -13,6 +13,19 @@ from swarmlm.protocol.messages import BackwardRequest, ForwardRequest, Inference
 # dtypes hidden states may arrive in; the server computes in its own dtype and answers in the sender's
 HIDDEN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int64, torch.int32)
+# bytes per value of the largest hidden-state dtype
+_BYTES_PER_HIDDEN_VALUE = 4
+# messages up to this multiple of the token limit are read in full, so the checks can say what is wrong (a backward
+# request carries hidden states and their gradients); larger ones are cut off while arriving
+_READ_SLACK = 4
+# room for deep prompts and headers beyond the per-token tensors
+_EXTRA_MESSAGE_BYTES = 8 << 20
+
+
+def max_message_bytes(max_tokens: int, hidden_size: int) -> int:
+    """The most tensor bytes a server reads of one request or inference step before refusing it."""
+    token_bytes = hidden_size * _BYTES_PER_HIDDEN_VALUE + 16  # hidden states (or gradients), mask and position
+    return _READ_SLACK * max_tokens * token_bytes + _EXTRA_MESSAGE_BYTES
 
 
 @dataclass(frozen=True)
