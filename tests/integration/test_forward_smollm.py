@@ -32,10 +32,14 @@ def test_sigkill_of_a_server_mid_request_is_recovered(smollm_dir: Path, referenc
         expected = reference(ids).logits
     with running_swarm(smollm_dir, [(0, 15), (15, 30), (15, 30)]) as swarm:
         replicas = swarm.servers[1:]
-        with connected_model(smollm_dir, swarm, max_tokens_per_request=64) as model:
+        with connected_model(smollm_dir, swarm, max_tokens_per_request=64, ban_base_s=20.0) as model:
             manager = model.model.layers.client.manager
             assert len(manager.servers) == 3
 
+            # measured latencies include queueing, so routing may switch replicas under load: keep the other one out
+            # of routes for a while (the ban expires 20 s from now), so that requests are on the victim when it dies
+            victim, other = replicas
+            manager.ban(other.peer_id, "kept out of routes by the test")
             results, killed = [], threading.Event()
 
             def forward_until_after_kill() -> None:
@@ -50,8 +54,6 @@ def test_sigkill_of_a_server_mid_request_is_recovered(smollm_dir: Path, referenc
             worker.start()
             while not results and worker.is_alive():
                 worker.join(0.05)
-            # the replica that routing chose for the first request is chosen again: kill it while it serves
-            victim = next(server for server in replicas if server.peer_id in manager._latency)
             worker.join(0.3)
             swarm.kill(victim)
             killed.set()
