@@ -92,6 +92,24 @@ def test_gradients_equal_local_autograd(tiny_model_dir: Path, reference, tuned, 
         assert_close(actual, expected)
 
 
+def test_per_sample_deep_prompts_equal_row_by_row_runs(tiny_model_dir: Path, reference) -> None:
+    """Prompts of shape (blocks, batch, prefix, hidden): each row gets its own, across sub-batches too."""
+    generator = torch.Generator().manual_seed(3)
+    hidden = torch.randn(3, 6, 64, generator=generator)
+    prompts = torch.randn(5, 3, 2, 64, generator=generator).requires_grad_()
+    weights = torch.randn(3, 6, 64, generator=generator)
+    with running_swarm(tiny_model_dir, [(0, 2), (2, 5)]) as swarm, connected_model(
+        tiny_model_dir, swarm, max_tokens_per_request=12
+    ) as model:  # fmt: skip
+        layers = model.model.layers
+        (layers(hidden, prompts=prompts) * weights).sum().backward()
+        together = prompts.grad.clone()
+        for row in range(3):
+            shared = prompts.detach()[:, row].clone().requires_grad_()
+            (layers(hidden[row : row + 1], prompts=shared) * weights[row : row + 1]).sum().backward()
+            assert_close(together[:, row], shared.grad)
+
+
 @pytest.fixture(scope="module")
 def replicated_swarm(tiny_model_dir: Path) -> Iterator:
     with running_swarm(tiny_model_dir, [(0, 2), (2, 5), (2, 5)]) as swarm:

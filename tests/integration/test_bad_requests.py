@@ -15,7 +15,7 @@ from hivemind.proto import runtime_pb2
 from swarmlm.client.loop import LoopThread
 from swarmlm.protocol import service
 from swarmlm.protocol.codec import encode, read_message
-from swarmlm.protocol.messages import BackwardRequest, ForwardRequest, ReplyHeader
+from swarmlm.protocol.messages import PROTOCOL_VERSION, BackwardRequest, ForwardRequest, ReplyHeader
 from swarmlm.swarm.dht import start_dht
 from tests.conftest import LOGITS_ATOL, connected_model, load_reference, running_swarm
 
@@ -82,7 +82,7 @@ def good_header(**overrides: object) -> ForwardRequest:
 
 
 HIDDEN = torch.randn(1, 4, 64)
-V1 = {"protocol_version": 1, "kind": "forward", "start_block": 0, "end_block": 5}
+V1 = {"protocol_version": PROTOCOL_VERSION, "kind": "forward", "start_block": 0, "end_block": 5}
 CASES = {
     "out-of-span blocks": (ForwardRequest(start_block=3, end_block=9), [HIDDEN], "not served here"),
     "empty block range": (ForwardRequest(start_block=3, end_block=3), [HIDDEN], "not served here"),
@@ -92,39 +92,48 @@ CASES = {
     "NaN values": (good_header(), [torch.full((1, 4, 64), float("nan"))], "NaN or infinite"),
     "infinite values": (good_header(), [torch.full((1, 4, 64), float("inf"))], "NaN or infinite"),
     "too many tokens": (good_header(), [torch.randn(2, MAX_TOKENS, 64)], f"limit of {MAX_TOKENS}"),
-    "missing tensor": (good_header(has_position_ids=True), [HIDDEN], "declares 2 tensors"),
-    "bad mask shape": (good_header(has_attention_mask=True), [HIDDEN, torch.ones(1, 3)], "attention_mask"),
+    "missing tensor": (good_header(tensors=["hidden", "position_ids"]), [HIDDEN], "names 2 tensors"),
+    "bad mask shape": (
+        good_header(tensors=["hidden", "attention_mask"]), [HIDDEN, torch.ones(1, 3)], "attention_mask"
+    ),
     "positions beyond context": (
-        good_header(has_position_ids=True),
+        good_header(tensors=["hidden", "position_ids"]),
         [HIDDEN, torch.full((1, 4), 10_000)],
         "position_ids must lie",
     ),
+    "tensors out of order": (
+        {**V1, "tensors": ["hidden", "prompts", "position_ids"]}, [HIDDEN, HIDDEN, HIDDEN], "in the order"
+    ),
+    "tensor not allowed in a forward": (
+        {**V1, "tensors": ["hidden", "grad_outputs"]}, [HIDDEN, HIDDEN], "not expected"
+    ),
+    "sequence beyond the context": (good_header(), [torch.randn(1, 300, 64)], "longer than the model's context"),
     "unknown version": ({**V1, "protocol_version": 99}, [HIDDEN], "unsupported protocol version 99"),
     "unknown field": ({**V1, "sneaky": 1}, [HIDDEN], "Extra inputs are not permitted"),
     "wrongly typed field": ({**V1, "start_block": "0"}, [HIDDEN], "start_block"),
-    "backward without gradients": (BackwardRequest(start_block=0, end_block=5), [HIDDEN], "declares 2 tensors"),
+    "backward without gradients": (BackwardRequest(start_block=0, end_block=5), [HIDDEN], "carries grad_outputs"),
     "gradients of another shape": (
-        BackwardRequest(start_block=0, end_block=5),
+        BackwardRequest(start_block=0, end_block=5, tensors=["hidden", "grad_outputs"]),
         [HIDDEN, torch.randn(1, 3, 64)],
         "grad_outputs has shape",
     ),
     "NaN gradients": (
-        BackwardRequest(start_block=0, end_block=5),
+        BackwardRequest(start_block=0, end_block=5, tensors=["hidden", "grad_outputs"]),
         [HIDDEN, torch.full((1, 4, 64), float("nan"))],
         "NaN",
     ),
     "prompts for too few blocks": (
-        BackwardRequest(start_block=0, end_block=5, has_prompts=True),
+        BackwardRequest(start_block=0, end_block=5, tensors=["hidden", "grad_outputs", "prompts"]),
         [HIDDEN, HIDDEN, torch.zeros(4, 2, 64)],
-        "prompts must have shape (5, prefix, 64)",
+        "prompts must have shape (5, prefix, 64) or (5, 1, prefix, 64)",
     ),
     "prompts longer than the sequence": (
-        ForwardRequest(start_block=0, end_block=2, has_prompts=True),
+        ForwardRequest(start_block=0, end_block=2, tensors=["hidden", "prompts"]),
         [HIDDEN, torch.zeros(2, 5, 64)],
         "prompts cover 5 positions",
     ),
     "NaN prompts": (
-        ForwardRequest(start_block=1, end_block=2, has_prompts=True),
+        ForwardRequest(start_block=1, end_block=2, tensors=["hidden", "prompts"]),
         [HIDDEN, torch.full((1, 2, 64), float("nan"))],
         "prompts contain NaN",
     ),

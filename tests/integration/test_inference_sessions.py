@@ -23,6 +23,7 @@ from swarmlm.local_swarm import LocalSwarm
 from swarmlm.models.naming import default_dht_prefix
 from swarmlm.models.span import SpanModel
 from swarmlm.protocol import service
+from swarmlm.protocol.bundle import SpanTensors
 from swarmlm.protocol.codec import encode, read_message
 from swarmlm.protocol.messages import InferenceOpen, InferenceStep, ReplyHeader
 from swarmlm.server.validation import max_message_bytes
@@ -101,10 +102,11 @@ class SessionClient:
         *,
         attention_mask: torch.Tensor | None = None,
         hypo_ids: torch.Tensor | None = None,
+        start_from_position: int | None = None,
     ) -> torch.Tensor:
-        header = InferenceStep(has_attention_mask=attention_mask is not None, has_hypo_ids=hypo_ids is not None)
-        extras = [t for t in (attention_mask, hypo_ids) if t is not None]
-        outputs = self.run(stream.exchange(header, [hidden, *extras]))
+        bundle = SpanTensors(hidden, attention_mask=attention_mask, hypo_ids=hypo_ids)
+        header = InferenceStep(tensors=bundle.names(), start_from_position=start_from_position)
+        outputs = self.run(stream.exchange(header, bundle.tensors()))
         assert len(outputs) == 1 and outputs[0].shape == hidden.shape
         return outputs[0]
 
@@ -394,6 +396,22 @@ def test_cached_decoding_equals_full_recompute(
         with torch.inference_mode():
             expected = span(hidden[:, :stop], start=start, end=end)[:, begin:stop]
         assert max_diff(out, expected) <= ATOL, f"tokens {begin}:{stop}"
+
+
+def test_empty_steps_are_no_ops_and_a_rollback_recomputes_from_the_cut(client: SessionClient, span: SpanModel) -> None:
+    hidden = hidden_states(1, 8, seed=9)
+    stream = client.open(1, 8)
+    client.step(stream, hidden[:, :5])
+    assert client.step(stream, hidden[:, :0]).shape == (1, 0, HIDDEN_SIZE)  # nothing new: nothing computed
+    # rewind to 3 tokens (as speculative decoding does when 2 drafted tokens are rejected), then go on differently
+    other = hidden_states(1, 3, seed=10)
+    out = client.step(stream, other, start_from_position=3)
+    with torch.inference_mode():
+        expected = span(torch.cat([hidden[:, :3], other], dim=1))[:, 3:]
+    assert max_diff(out, expected) <= ATOL
+    assert client.step(stream, hidden[:, :0], start_from_position=6).shape[1] == 0  # an empty step may only rewind
+    with pytest.raises(BadRequestError, match="beyond the 6 tokens"):
+        client.step(stream, hidden[:, :1], start_from_position=7)
 
 
 def test_server_survives_every_session(client: SessionClient, swarm: LocalSwarm) -> None:

@@ -11,6 +11,7 @@ import torch
 from hivemind.proto import runtime_pb2
 
 from swarmlm.errors import ProtocolError
+from swarmlm.protocol.bundle import SpanTensors, check_names
 from swarmlm.protocol.codec import CHUNK_BYTES, encode, read_message, read_only_message
 from swarmlm.protocol.messages import PROTOCOL_VERSION, ForwardRequest, ReplyHeader
 
@@ -26,7 +27,7 @@ def roundtrip(header: ForwardRequest, tensors: list[torch.Tensor], max_bytes: in
 
 
 def test_header_and_tensors_survive_the_roundtrip() -> None:
-    header = ForwardRequest(start_block=2, end_block=7, has_position_ids=True)
+    header = ForwardRequest(start_block=2, end_block=7, tensors=["hidden", "position_ids", "prompts"])
     tensors = [torch.randn(2, 3, 8), torch.arange(6).view(2, 3), torch.randn(2, 4).to(torch.bfloat16)]
     got_header, got = roundtrip(header, tensors)
     assert got_header == header
@@ -89,3 +90,37 @@ def test_reply_header_is_strict_too() -> None:
     assert ReplyHeader(ok=False, error="x", error_kind="bad_request").error_kind == "bad_request"
     with pytest.raises(ValueError):
         ReplyHeader(ok=False, error_kind="oops")
+
+
+def test_a_bundle_travels_in_wire_order_and_comes_back_whole() -> None:
+    bundle = SpanTensors(torch.randn(2, 3, 8), position_ids=torch.arange(6).view(2, 3), prompts=torch.randn(4, 2, 8))
+    header = ForwardRequest(start_block=0, end_block=4, tensors=bundle.names())
+    got_header, tensors = roundtrip(header, bundle.tensors())
+    back = SpanTensors.from_wire(got_header.tensors, tensors)
+    assert back.names() == ["hidden", "position_ids", "prompts"]
+    assert torch.equal(back.position_ids, bundle.position_ids) and back.attention_mask is None
+
+
+@pytest.mark.parametrize(
+    ("names", "reason"),
+    [
+        (["position_ids", "hidden"], "start with hidden"),
+        (["hidden", "hidden"], "unique"),
+        (["hidden", "prompts", "attention_mask"], "in the order"),
+        (["hidden", "weights"], "not expected"),
+    ],
+)
+def test_bundle_names_must_be_known_unique_and_ordered(names: list[str], reason: str) -> None:
+    with pytest.raises(ProtocolError, match=reason):
+        check_names(names)
+    with pytest.raises(ValueError, match="tensors"):  # the header refuses them too
+        ForwardRequest(start_block=0, end_block=1, tensors=names)
+
+
+def test_a_bundle_splits_into_rows_with_its_per_sample_prompts() -> None:
+    bundle = SpanTensors(torch.randn(4, 3, 8), attention_mask=torch.ones(4, 3), prompts=torch.randn(2, 4, 1, 8))
+    rows = bundle.select_rows(1, 3)
+    assert rows.hidden.shape == (2, 3, 8) and rows.attention_mask.shape == (2, 3)
+    assert torch.equal(rows.prompts, bundle.prompts[:, 1:3])
+    shared = SpanTensors(torch.randn(4, 3, 8), prompts=torch.randn(2, 1, 8)).select_rows(0, 1)
+    assert shared.prompts.shape == (2, 1, 8)  # prompts shared by all rows stay whole

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from swarmlm.client.sequence_manager import SequenceManager
 from swarmlm.client.span_call import call_span
 from swarmlm.errors import BadRequestError, RemoteCallError
+from swarmlm.protocol.bundle import SpanTensors
 from swarmlm.protocol.messages import BackwardRequest, ForwardRequest
 from swarmlm.swarm.routing import RouteSpan
 
@@ -24,17 +25,17 @@ class Hop:
 
 @dataclass(frozen=True)
 class ChainArgs:
-    """What travels with the hidden states of one (sub-)batch to every span."""
+    """One (sub-)batch's bundle for a chain: at each hop its hidden states are the previous hop's output, its deep
+    prompts are cut to the hop's blocks, and the rest (mask, positions) travels unchanged."""
 
-    attention_mask: torch.Tensor | None = None  # (batch, seq) of 0/1
-    position_ids: torch.Tensor | None = None  # (batch, seq)
-    prompts: torch.Tensor | None = None  # (blocks, prefix, hidden): prompts[i] is for block prompts_start + i
-    prompts_start: int = 0
+    inputs: SpanTensors  # the chain's input: hidden (batch, seq, hidden) and what travels with it
+    prompts_start: int = 0  # inputs.prompts[i] is for block prompts_start + i
 
-    def prompts_for(self, span: RouteSpan) -> torch.Tensor | None:
-        if self.prompts is None:
-            return None
-        return self.prompts[span.start - self.prompts_start : span.end - self.prompts_start]
+    def for_span(self, span: RouteSpan, hidden: torch.Tensor, grad: torch.Tensor | None = None) -> SpanTensors:
+        prompts = self.inputs.prompts
+        if prompts is not None:
+            prompts = prompts[span.start - self.prompts_start : span.end - self.prompts_start]
+        return replace(self.inputs, hidden=hidden, grad_outputs=grad, prompts=prompts)
 
 
 class RetryBudget:
@@ -57,18 +58,11 @@ async def _call(
     manager: SequenceManager, span: RouteSpan, hidden: torch.Tensor, args: ChainArgs, grad: torch.Tensor | None
 ) -> list[torch.Tensor]:
     """The span-call helper of both directions: forward when grad is None, else backward."""
-    prompts = args.prompts_for(span)
+    bundle = args.for_span(span, hidden, grad)
     request_type = ForwardRequest if grad is None else BackwardRequest
-    header = request_type(
-        start_block=span.start,
-        end_block=span.end,
-        has_attention_mask=args.attention_mask is not None,
-        has_position_ids=args.position_ids is not None,
-        has_prompts=prompts is not None,
-    )
-    tensors = [t for t in (hidden, grad, args.attention_mask, args.position_ids, prompts) if t is not None]
-    _, outputs = await call_span(manager, span.peer_id, f"rpc_{header.kind}", header, tensors)
-    expected = [hidden.shape] + ([prompts.shape] if grad is not None and prompts is not None else [])
+    header = request_type(start_block=span.start, end_block=span.end, tensors=bundle.names())
+    _, outputs = await call_span(manager, span.peer_id, f"rpc_{header.kind}", header, bundle.tensors())
+    expected = [hidden.shape] + ([bundle.prompts.shape] if grad is not None and bundle.prompts is not None else [])
     if [o.shape for o in outputs] != expected:
         raise RemoteCallError(f"{header.kind} reply has shapes {[tuple(o.shape) for o in outputs]}", span.peer_id)
     return outputs
@@ -77,7 +71,8 @@ async def _call(
 async def run_forward_chain(
     manager: SequenceManager, hidden: torch.Tensor, start: int, end: int, args: ChainArgs
 ) -> tuple[torch.Tensor, list[Hop]]:
-    """Hidden states after blocks [start, end), and the hops that produced them (with each hop's inputs)."""
+    """Hidden states after blocks [start, end) from `hidden` (args.inputs.hidden, or a hop's saved input when a
+    backward recomputes a span), and the hops that produced them (with each hop's inputs)."""
     retry, hops, position = RetryBudget(manager), [], start
     tokens = hidden.shape[0] * hidden.shape[1]
     while position < end:
@@ -102,7 +97,7 @@ async def run_backward_chain(
     new route, and the backward continues through the replacement hops: the gradients do not change.
     """
     retry, pending = RetryBudget(manager), list(hops)
-    grad_prompts = None if args.prompts is None else torch.zeros_like(args.prompts)
+    grad_prompts = None if args.inputs.prompts is None else torch.zeros_like(args.inputs.prompts)
     while pending:
         hop = pending.pop()
         try:

@@ -9,7 +9,8 @@ from typing import Any
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from swarmlm.client.inference import InferenceSession, StepArgs
+from swarmlm.client.inference import InferenceSession
+from swarmlm.protocol.bundle import SpanTensors
 
 # new tokens generate() makes when neither max_new_tokens nor max_length says otherwise (Hugging Face's default)
 DEFAULT_MAX_NEW_TOKENS = 20
@@ -94,9 +95,12 @@ class RemoteGenerationMixin:
             position_ids = None if position_ids is None else position_ids + tuning.pre_seq_len
         if attention_mask is not None and bool(attention_mask.all()):
             attention_mask = None
-        args = StepArgs(attention_mask, position_ids, hypo_ids, prompts)
+        inputs = SpanTensors(
+            embeds.detach().cpu(), attention_mask=attention_mask, position_ids=position_ids, hypo_ids=hypo_ids,
+            prompts=prompts,
+        )  # fmt: skip
         blocks = self.model.layers
-        hidden = blocks.client.loop.run(state.session.step(embeds.detach().cpu(), args))
+        hidden = blocks.client.loop.run(state.session.step(inputs))
         state.token_ids = input_ids
         hidden = self.get_submodule(self.family.norm_name)(hidden.to(embeds.dtype))
         if tuning is not None and seen == 0:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import replace
 
 import torch
 
@@ -10,18 +10,9 @@ from swarmlm.client.chain import RetryBudget
 from swarmlm.client.sequence_manager import SequenceManager
 from swarmlm.client.span_call import SpanStream
 from swarmlm.errors import RemoteCallError, SessionClosedError
+from swarmlm.protocol.bundle import SpanTensors
 from swarmlm.protocol.messages import InferenceOpen, InferenceStep
 from swarmlm.swarm.routing import RouteSpan
-
-
-@dataclass(frozen=True)
-class StepArgs:
-    """What travels with one step's hidden states (prompts cover the whole session's blocks)."""
-
-    attention_mask: torch.Tensor | None = None  # (batch, past + seq) of 0/1
-    position_ids: torch.Tensor | None = None  # (batch, seq)
-    hypo_ids: torch.Tensor | None = None  # (batch,) cache rows to reorder to first (beam search)
-    prompts: torch.Tensor | None = None  # (session blocks, prefix, hidden) deep prompts
 
 
 class _SpanSession:
@@ -30,7 +21,7 @@ class _SpanSession:
     def __init__(self, manager: SequenceManager, span: RouteSpan, session_start: int):
         self.span, self.session_start = span, session_start
         self.stream = SpanStream(manager, span.peer_id, "rpc_inference")
-        self.history: list[tuple[torch.Tensor, StepArgs]] = []
+        self.history: list[SpanTensors] = []  # each step as this span received it
 
     async def open(self, batch_size: int, max_length: int) -> None:
         header = InferenceOpen(
@@ -38,22 +29,17 @@ class _SpanSession:
         )
         await self.stream.exchange(header, [])
 
-    async def step(self, hidden: torch.Tensor, args: StepArgs) -> torch.Tensor:
-        prompts = None
-        if args.prompts is not None:
+    async def step(self, inputs: SpanTensors) -> torch.Tensor:
+        """Send one step (inputs.hidden: this span's input; inputs.prompts: the whole session's) and return its
+        output hidden states."""
+        sent = inputs
+        if inputs.prompts is not None:
             offset = self.span.start - self.session_start
-            prompts = args.prompts[offset : offset + self.span.end - self.span.start]
-        header = InferenceStep(
-            has_attention_mask=args.attention_mask is not None,
-            has_position_ids=args.position_ids is not None,
-            has_hypo_ids=args.hypo_ids is not None,
-            has_prompts=prompts is not None,
-        )
-        extras = (args.attention_mask, args.position_ids, args.hypo_ids, prompts)
-        outputs = await self.stream.exchange(header, [hidden, *(t for t in extras if t is not None)])
-        if len(outputs) != 1 or outputs[0].shape != hidden.shape:
+            sent = replace(inputs, prompts=inputs.prompts[offset : offset + self.span.end - self.span.start])
+        outputs = await self.stream.exchange(InferenceStep(tensors=sent.names()), sent.tensors())
+        if len(outputs) != 1 or outputs[0].shape != inputs.hidden.shape:
             raise RemoteCallError(f"inference reply has shapes {[tuple(o.shape) for o in outputs]}", self.span.peer_id)
-        self.history.append((hidden, args))
+        self.history.append(inputs)
         return outputs[0]
 
 
@@ -72,7 +58,10 @@ class InferenceSession:
         self._spans: list[_SpanSession] = []
         self.closed = False
 
-    async def step(self, hidden: torch.Tensor, args: StepArgs) -> torch.Tensor:
+    async def step(self, inputs: SpanTensors) -> torch.Tensor:
+        """Hidden states of the new tokens after the session's blocks; inputs.hidden is (batch, new tokens, hidden),
+        the other tensors of the bundle travel to every span (prompts cover the session's blocks)."""
+        hidden = inputs.hidden
         if self.closed:
             raise SessionClosedError("this inference session is closed")
         if self.position + hidden.shape[1] > self.max_length:
@@ -87,7 +76,7 @@ class InferenceSession:
         while index < len(self._spans):
             span_session = self._spans[index]
             try:
-                out = await span_session.step(hidden, args)
+                out = await span_session.step(replace(inputs, hidden=hidden))
             except RemoteCallError as e:
                 retry.failed(span_session.span, e)
                 await span_session.stream.close()
@@ -117,9 +106,10 @@ class InferenceSession:
         while True:
             replacement = await self._open_chain(lost.span.start, lost.span.end, retry)
             try:
-                for hidden, args in lost.history:
+                for inputs in lost.history:
+                    hidden = inputs.hidden
                     for span_session in replacement:
-                        hidden = await span_session.step(hidden, args)
+                        hidden = await span_session.step(replace(inputs, hidden=hidden))
                 return replacement
             except RemoteCallError as e:
                 failed = next((s.span for s in replacement if s.span.peer_id == e.peer_id), lost.span)

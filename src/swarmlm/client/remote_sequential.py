@@ -13,6 +13,7 @@ from swarmlm.client.loop import LoopThread
 from swarmlm.client.sequence_manager import SequenceManager
 from swarmlm.config import ClientConfig
 from swarmlm.errors import SessionClosedError
+from swarmlm.protocol.bundle import SpanTensors
 
 logger = logging.getLogger(__name__)
 
@@ -82,8 +83,9 @@ class RemoteSequential(nn.Module):
     ) -> torch.Tensor:
         """hidden (batch, seq, hidden) -> hidden after the blocks; big batches run as concurrent sub-batches.
 
-        prompts (len(self), prefix, hidden): deep prompts, prompts[i] added to the first `prefix` positions of the
-        input of this slice's block i. Differentiable wrt hidden and prompts.
+        prompts (len(self), prefix, hidden), or per sample (len(self), batch, prefix, hidden): deep prompts,
+        prompts[i] added to the first `prefix` positions of the input of this slice's block i. Differentiable wrt
+        hidden and prompts.
         """
         if self.client.closed:
             raise SessionClosedError("this model's swarm connection is closed")
@@ -92,8 +94,14 @@ class RemoteSequential(nn.Module):
         for name, extra in (("attention_mask", attention_mask), ("position_ids", position_ids)):
             if extra is not None and tuple(extra.shape) != tuple(hidden.shape[:2]):
                 raise ValueError(f"{name} must have shape {tuple(hidden.shape[:2])}, got {tuple(extra.shape)}")
-        if prompts is not None and (prompts.ndim != 3 or prompts.shape[0] != len(self)):
-            raise ValueError(f"prompts must be ({len(self)}, prefix, hidden), got {tuple(prompts.shape)}")
+        if prompts is not None and (
+            prompts.ndim not in (3, 4) or prompts.shape[0] != len(self) or prompts.shape[-1] != hidden.shape[-1]
+            or (prompts.ndim == 4 and prompts.shape[1] != hidden.shape[0])
+        ):  # fmt: skip
+            raise ValueError(
+                f"prompts must be ({len(self)}, prefix, hidden) or ({len(self)}, batch, prefix, hidden), "
+                f"got {tuple(prompts.shape)}"
+            )
         return _RemoteBlocks.apply(hidden, prompts, self, attention_mask, position_ids)
 
     def _pieces(
@@ -104,21 +112,16 @@ class RemoteSequential(nn.Module):
         prompts: torch.Tensor | None,
     ) -> list[tuple[int, int, ChainArgs]]:
         """The sub-batches (row ranges) of a batch and the arguments each one's chain carries."""
-        pieces = []
-        for begin, end in split_batch(hidden.shape[0], hidden.shape[1], self.client.config.max_tokens_per_request):
-            args = ChainArgs(
-                attention_mask=None if mask is None else mask[begin:end],
-                position_ids=None if positions is None else positions[begin:end],
-                prompts=prompts,
-                prompts_start=self.start,
-            )
-            pieces.append((begin, end, args))
-        return pieces
+        inputs = SpanTensors(hidden, attention_mask=mask, position_ids=positions, prompts=prompts)
+        return [
+            (begin, end, ChainArgs(inputs.select_rows(begin, end), prompts_start=self.start))
+            for begin, end in split_batch(hidden.shape[0], hidden.shape[1], self.client.config.max_tokens_per_request)
+        ]
 
-    async def _forward(self, hidden: torch.Tensor, pieces: list) -> tuple[torch.Tensor, list[list[Hop]]]:
+    async def _forward(self, pieces: list) -> tuple[torch.Tensor, list[list[Hop]]]:
         manager = self.client.manager
         results = await asyncio.gather(
-            *(run_forward_chain(manager, hidden[begin:end], self.start, self.end, args) for begin, end, args in pieces)
+            *(run_forward_chain(manager, args.inputs.hidden, self.start, self.end, args) for _, _, args in pieces)
         )
         return torch.cat([out for out, _ in results], dim=0), [hops for _, hops in results]
 
@@ -132,8 +135,13 @@ class RemoteSequential(nn.Module):
                 for (begin, end, args), piece_hops in zip(pieces, hops, strict=True)
             )
         )
+        grad_hidden = torch.cat([g for g, _ in results], dim=0)
         grad_prompts = [g for _, g in results if g is not None]
-        return torch.cat([g for g, _ in results], dim=0), (torch.stack(grad_prompts).sum(0) if grad_prompts else None)
+        if not grad_prompts:
+            return grad_hidden, None
+        if grad_prompts[0].ndim == 4:  # per-sample prompts: each sub-batch has its own rows
+            return grad_hidden, torch.cat(grad_prompts, dim=1)
+        return grad_hidden, torch.stack(grad_prompts).sum(0)
 
 
 class _RemoteBlocks(torch.autograd.Function):
@@ -149,8 +157,8 @@ class _RemoteBlocks(torch.autograd.Function):
         positions: torch.Tensor | None,
     ) -> torch.Tensor:
         send_prompts = None if prompts is None else prompts.detach().cpu()
-        pieces = blocks._pieces(hidden, mask, positions, send_prompts)
-        output, hops = blocks.client.loop.run(blocks._forward(hidden.detach().cpu(), pieces))
+        pieces = blocks._pieces(hidden.detach().cpu(), mask, positions, send_prompts)
+        output, hops = blocks.client.loop.run(blocks._forward(pieces))
         ctx.blocks, ctx.pieces, ctx.hops = blocks, pieces, hops
         ctx.hidden_meta = (hidden.dtype, hidden.device)
         ctx.prompts_meta = None if prompts is None else (prompts.dtype, prompts.device)

@@ -66,9 +66,10 @@ class SpanModel(nn.Module):
         """Run blocks [start, end) (default: the whole span) over hidden (batch, seq, hidden).
 
         attention_mask (batch, past + seq) and position_ids (batch, seq) follow the Hugging Face conventions;
-        position_ids default to past + arange(seq), like the local model. prompts (end - start, prefix, hidden),
-        if given, are deep prompts: prompts[i] is added to the first `prefix` positions of block start+i's input
-        (with a cache, to those of this call's tokens whose positions past + j fall inside the prefix).
+        position_ids default to past + arange(seq), like the local model. prompts (end - start, prefix, hidden) or
+        (end - start, batch, prefix, hidden), if given, are deep prompts: prompts[i] is added to the first `prefix`
+        positions of block start+i's input (with a cache, to those of this call's tokens whose positions past + j
+        fall inside the prefix).
         """
         start = self.start if start is None else start
         end = self.end if end is None else end
@@ -99,11 +100,11 @@ class SpanModel(nn.Module):
 
 
 def add_prompt(hidden: torch.Tensor, prompt: torch.Tensor, past: int = 0) -> torch.Tensor:
-    """hidden (batch, seq, hidden), the tokens after `past` earlier ones, with prompt (prefix, hidden) added where
-    their positions fall inside the prefix; out of place (autograd needs the original)."""
-    overlap = max(0, min(prompt.shape[0] - past, hidden.shape[1]))
+    """hidden (batch, seq, hidden), the tokens after `past` earlier ones, with prompt (prefix, hidden) -- or per
+    sample (batch, prefix, hidden) -- added where their positions fall inside the prefix; out of place (autograd
+    needs the original)."""
+    overlap = max(0, min(prompt.shape[-2] - past, hidden.shape[1]))
     if overlap == 0:
         return hidden
-    return torch.cat(
-        [hidden[:, :overlap] + prompt[past : past + overlap].to(hidden.dtype), hidden[:, overlap:]], dim=1
-    )
+    added = prompt[..., past : past + overlap, :].to(hidden.dtype)
+    return torch.cat([hidden[:, :overlap] + added, hidden[:, overlap:]], dim=1)

@@ -35,11 +35,7 @@ Part = runtime_pb2.ExpertRequest | runtime_pb2.ExpertResponse
 def encode(header: _Header, tensors: Sequence[torch.Tensor], part_type: type[Part]) -> Iterator[Part]:
     """Yield the parts of one message; tensors are moved to CPU and sent uncompressed."""
     metadata = msgpack.packb({"header": header.model_dump(), "n_tensors": len(tensors)})
-    chunks = [
-        chunk
-        for tensor in tensors
-        for chunk in split_for_streaming(serialize_torch_tensor(tensor.detach().cpu()), CHUNK_BYTES)
-    ]
+    chunks = [chunk for tensor in tensors for chunk in _split(tensor)]
     first = part_type(metadata=metadata)
     if not chunks:
         yield first
@@ -48,6 +44,12 @@ def encode(header: _Header, tensors: Sequence[torch.Tensor], part_type: type[Par
     yield first
     for chunk in chunks[1:]:
         yield part_type(tensors=[chunk])
+
+
+def _split(tensor: torch.Tensor) -> list[runtime_pb2.Tensor]:
+    chunks = list(split_for_streaming(serialize_torch_tensor(tensor.detach().cpu()), CHUNK_BYTES))
+    chunks[0].chunks = max(chunks[0].chunks, 1)  # an empty tensor (an empty step) still travels as one chunk
+    return chunks
 
 
 async def read_message(

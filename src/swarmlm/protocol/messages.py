@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from swarmlm.errors import ProtocolError
+from swarmlm.protocol.bundle import TensorName, check_names
 
 # Bumped on any incompatible change of a header or of the tensors that follow it.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class _Header(BaseModel):
@@ -20,29 +21,47 @@ class _Header(BaseModel):
     protocol_version: int = PROTOCOL_VERSION
 
 
-class ForwardRequest(_Header):
-    """Run blocks [start_block, end_block) of the server's span over the hidden states that follow.
+class _TensorsHeader(_Header):
+    """A header followed by a SpanTensors bundle: `tensors` names what follows, in wire order (protocol.bundle)."""
 
-    Tensors, in order: hidden_states (batch, seq, hidden); then, if has_attention_mask, attention_mask
-    (batch, seq) of 0/1; then, if has_position_ids, position_ids (batch, seq); then, if has_prompts, deep prompts
-    (end_block - start_block, prefix, hidden), prompt i added to the first `prefix` positions of block i's input.
-    The reply carries the output hidden states.
+    # the tensors this kind of message may carry
+    ALLOWED: ClassVar[tuple[str, ...]] = ("hidden",)
+
+    tensors: list[TensorName] = Field(default_factory=lambda: ["hidden"], strict=False)
+
+    @field_validator("tensors")
+    @classmethod
+    def _known_names_in_order(cls, names: list[str]) -> list[str]:
+        try:
+            check_names(names, cls.ALLOWED)
+        except ProtocolError as e:
+            raise ValueError(str(e)) from e
+        return names
+
+
+class ForwardRequest(_TensorsHeader):
+    """Run blocks [start_block, end_block) of the server's span over the bundle that follows.
+
+    Tensors: hidden (batch, seq, hidden), optionally attention_mask (batch, seq), position_ids (batch, seq) and deep
+    prompts ((end_block - start_block) blocks, prefix or per-sample, added to the first positions of each block's
+    input). The reply carries the output hidden states.
     """
+
+    ALLOWED: ClassVar[tuple[str, ...]] = ("hidden", "attention_mask", "position_ids", "prompts")
 
     kind: Literal["forward"] = "forward"
     start_block: int = Field(ge=0)
     end_block: int = Field(ge=1)
-    has_attention_mask: bool = False
-    has_position_ids: bool = False
-    has_prompts: bool = False
 
 
 class BackwardRequest(ForwardRequest):
     """Gradients of a span, recomputed from its inputs (the server keeps nothing between forward and backward).
 
-    Tensors: as ForwardRequest, with grad_outputs (batch, seq, hidden) right after hidden_states. The reply carries
-    the gradient wrt hidden_states and, if has_prompts, the gradient wrt the prompts.
+    Tensors: as ForwardRequest, with grad_outputs (batch, seq, hidden). The reply carries the gradient wrt
+    hidden_states and, if prompts were sent, the gradient wrt the prompts.
     """
+
+    ALLOWED: ClassVar[tuple[str, ...]] = ("hidden", "grad_outputs", "attention_mask", "position_ids", "prompts")
 
     kind: Literal["backward"] = "backward"  # type: ignore[assignment]
 
@@ -60,32 +79,33 @@ class InferenceOpen(_Header):
     max_length: int = Field(ge=1)  # tokens the session may hold, past and new together
 
 
-class InferenceStep(_Header):
+class InferenceStep(_TensorsHeader):
     """New tokens of an open session: their hidden states after the session's blocks, using and extending its cache.
 
-    Tensors, in order: hidden_states (batch, seq, hidden); if has_attention_mask, attention_mask (batch, past + seq)
-    of 0/1; if has_position_ids, position_ids (batch, seq); if has_hypo_ids, hypo_ids (batch,): the cache's rows are
-    reordered to these before the step (beam search); if has_prompts, deep prompts (blocks, prefix, hidden), added
-    where the step's positions fall inside the prefix. The reply carries the output hidden states.
+    Tensors: hidden (batch, seq, hidden), seq >= 0 (an empty step is a no-op, or only a rollback); optionally
+    attention_mask (batch, past + seq) of 0/1, position_ids (batch, seq), hypo_ids (batch,): the cache's rows are
+    reordered to these before the step (beam search), and deep prompts (blocks, prefix or per-sample), added where
+    the step's positions fall inside the prefix. With start_from_position, the session's cache is first cut back
+    to that many tokens (speculative decoding, rewinding). The reply carries the output hidden states.
     """
 
+    ALLOWED: ClassVar[tuple[str, ...]] = ("hidden", "attention_mask", "position_ids", "hypo_ids", "prompts")
+
     kind: Literal["step"] = "step"
-    has_attention_mask: bool = False
-    has_position_ids: bool = False
-    has_hypo_ids: bool = False
-    has_prompts: bool = False
+    start_from_position: int | None = Field(default=None, ge=0)
 
 
 class ReplyHeader(_Header):
     """The answer to a request: either tensors follow (ok) or an error explains what went wrong.
 
     error_kind "bad_request" means the request itself is invalid (another server would reject it too);
-    "server" means this server failed to serve it, "busy" that it has no room now (the client may retry elsewhere).
+    "server" means this server failed to serve it, "busy" that it has no room now, and "too_large" that the request
+    exceeds this server's own limits (another server may accept it): the client may retry elsewhere.
     """
 
     ok: bool
     error: str | None = None
-    error_kind: Literal["bad_request", "server", "busy"] | None = None
+    error_kind: Literal["bad_request", "server", "busy", "too_large"] | None = None
     compute_ms: float = 0.0
 
 

@@ -11,7 +11,8 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from swarmlm.models.span import SpanModel
-from swarmlm.server.validation import SpanInputs, SpanLimits
+from swarmlm.protocol.bundle import SpanTensors
+from swarmlm.server.validation import SpanLimits
 
 
 class SpanBackend:
@@ -30,13 +31,13 @@ class SpanBackend:
         # a single worker thread is the queue: weights are never used by two computations at once
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="span-compute")
 
-    async def run(self, start: int, end: int, inputs: SpanInputs) -> tuple[list[torch.Tensor], float]:
+    async def run(self, start: int, end: int, inputs: SpanTensors) -> tuple[list[torch.Tensor], float]:
         """Forward: [hidden states after blocks [start, end)]; backward (inputs.grad_outputs given): [grad wrt
         hidden states, (grad wrt prompts)]. Tensors come back in the sender's dtypes, with the compute time in ms."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, self._run, start, end, inputs)
 
-    def _run(self, start: int, end: int, inputs: SpanInputs) -> tuple[list[torch.Tensor], float]:
+    def _run(self, start: int, end: int, inputs: SpanTensors) -> tuple[list[torch.Tensor], float]:
         """The one computation of a span: its forward, followed by autograd when grad_outputs are given."""
         began = time.perf_counter()
         backward = inputs.grad_outputs is not None
@@ -46,7 +47,7 @@ class SpanBackend:
             mask = None if inputs.attention_mask is None else inputs.attention_mask.to(self.device)
             positions = None if inputs.position_ids is None else inputs.position_ids.to(self.device)
             out = self.span(hidden, start=start, end=end, attention_mask=mask, position_ids=positions, prompts=prompts)
-            if backward:
+            if inputs.grad_outputs is not None:
                 wrt = [hidden] if prompts is None else [hidden, prompts]
                 grad_outputs = inputs.grad_outputs.to(self.device, self.dtype)
                 results = list(torch.autograd.grad(out, wrt, grad_outputs=grad_outputs))
@@ -57,17 +58,25 @@ class SpanBackend:
         return results, (time.perf_counter() - began) * 1000
 
     async def step(
-        self, cache: DynamicCache, start: int, end: int, inputs: SpanInputs, chunk_tokens: int
+        self, cache: DynamicCache, start: int, end: int, inputs: SpanTensors, chunk_tokens: int,
+        start_from: int | None = None,
     ) -> tuple[list[torch.Tensor], float]:
-        """One inference step of a session owning `cache`: [hidden states of the new tokens], compute time in ms."""
+        """One inference step of a session owning `cache`: [hidden states of the new tokens], compute time in ms.
+
+        With start_from, the cache is first cut back to that many tokens (validated: not more than it holds)."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._step, cache, start, end, inputs, chunk_tokens)
+        return await loop.run_in_executor(
+            self._executor, self._step, cache, start, end, inputs, chunk_tokens, start_from
+        )
 
     def _step(
-        self, cache: DynamicCache, start: int, end: int, inputs: SpanInputs, chunk_tokens: int
+        self, cache: DynamicCache, start: int, end: int, inputs: SpanTensors, chunk_tokens: int,
+        start_from: int | None,
     ) -> tuple[list[torch.Tensor], float]:
         began = time.perf_counter()
         with torch.inference_mode():
+            if start_from is not None and start_from < cache.get_seq_length(start):
+                cache.crop(start_from - cache.get_seq_length(start))  # a negative count: tokens to drop
             if inputs.hypo_ids is not None:
                 cache.reorder_cache(inputs.hypo_ids.to(self.device))
             hidden = inputs.hidden.to(self.device, self.dtype)
@@ -76,7 +85,7 @@ class SpanBackend:
             past = cache.get_seq_length(start)
             # long prompts run in chunks, so a step's activations stay bounded whatever its length
             chunk = max(1, chunk_tokens // batch)
-            outputs = []
+            outputs = [hidden[:, :0]]  # an empty step is a valid no-op: its reply is empty too
             for begin in range(0, seq, chunk):
                 stop = min(seq, begin + chunk)
                 mask = None if inputs.attention_mask is None else inputs.attention_mask[:, : past + stop]
@@ -96,7 +105,7 @@ class SpanBackend:
     def measure_throughput(self, tokens: int = 32, repeats: int = 3) -> float:
         """Tokens per second through one block, measured on random inputs at start-up."""
         hidden = torch.randn(1, tokens, self.limits.hidden_size)
-        inputs = SpanInputs(hidden)
+        inputs = SpanTensors(hidden)
         self._run(self.span.start, self.span.end, inputs)  # warm-up: first calls allocate
         elapsed = min(self._run(self.span.start, self.span.end, inputs)[1] for _ in range(repeats)) / 1000
         return tokens * (self.span.end - self.span.start) / max(elapsed, 1e-9)

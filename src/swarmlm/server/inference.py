@@ -93,7 +93,7 @@ class InferenceSessions:
                 yield _reply(ReplyHeader(ok=False, error=str(e), error_kind="bad_request"))
                 continue  # the cache is untouched: the session goes on
             outputs, compute_ms = await self.backend.step(
-                cache, session.start_block, session.end_block, inputs, self.chunk_tokens
+                cache, session.start_block, session.end_block, inputs, self.chunk_tokens, header.start_from_position
             )
             logger.info("inference step blocks=%d:%d tokens=%d past=%d peer=...%s %.1f ms",
                         session.start_block, session.end_block, inputs.hidden.shape[0] * inputs.hidden.shape[1],

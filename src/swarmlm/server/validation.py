@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from swarmlm.errors import ProtocolError
+from swarmlm.protocol.bundle import SpanTensors
 from swarmlm.protocol.messages import BackwardRequest, ForwardRequest, InferenceOpen, InferenceStep
 
 # dtypes hidden states may arrive in; the server computes in its own dtype and answers in the sender's
@@ -37,16 +37,6 @@ class SpanLimits:
     max_position: int  # positions must be below this (the model's context)
 
 
-@dataclass(frozen=True)
-class SpanInputs:
-    hidden: torch.Tensor  # (batch, seq, hidden)
-    attention_mask: torch.Tensor | None = None  # (batch, seq) of 0/1
-    position_ids: torch.Tensor | None = None  # (batch, seq)
-    prompts: torch.Tensor | None = None  # (blocks, prefix, hidden) deep prompts
-    grad_outputs: torch.Tensor | None = None  # (batch, seq, hidden), backward only
-    hypo_ids: torch.Tensor | None = None  # (batch,) cache rows to reorder to before an inference step
-
-
 def check_blocks(start: int, end: int, limits: SpanLimits) -> None:
     if not limits.start <= start < end <= limits.end:
         raise ProtocolError(
@@ -54,13 +44,19 @@ def check_blocks(start: int, end: int, limits: SpanLimits) -> None:
         )
 
 
-def check_hidden(hidden: torch.Tensor, limits: SpanLimits, what: str = "hidden_states") -> None:
+def check_hidden(
+    hidden: torch.Tensor, limits: SpanLimits, what: str = "hidden_states", min_seq: int = 1
+) -> None:
     if hidden.dtype not in HIDDEN_DTYPES:
         raise ProtocolError(f"{what} must be float32, bfloat16 or float16, not {hidden.dtype}")
-    if hidden.ndim != 3 or hidden.shape[0] < 1 or hidden.shape[1] < 1:
+    if hidden.ndim != 3 or hidden.shape[0] < 1 or hidden.shape[1] < min_seq:
         raise ProtocolError(f"{what} must have shape (batch, seq, {limits.hidden_size}), got {tuple(hidden.shape)}")
     if hidden.shape[2] != limits.hidden_size:
         raise ProtocolError(f"{what} has hidden size {hidden.shape[2]}, this model's is {limits.hidden_size}")
+    if hidden.shape[1] > limits.max_position:
+        raise ProtocolError(
+            f"{what} has {hidden.shape[1]} positions, longer than the model's context of {limits.max_position}"
+        )
     tokens = hidden.shape[0] * hidden.shape[1]
     if tokens > limits.max_tokens:
         raise ProtocolError(
@@ -91,53 +87,51 @@ def _checked_positions(positions: torch.Tensor, batch: int, seq: int, limits: Sp
     return positions.to(torch.int64)
 
 
-def check_prompts(prompts: torch.Tensor, blocks: int, seq: int, limits: SpanLimits, any_length: bool = False) -> None:
+def check_prompts(
+    prompts: torch.Tensor, blocks: int, batch: int, seq: int, limits: SpanLimits, any_length: bool = False
+) -> None:
+    """Deep prompts: (blocks, prefix, hidden) shared by all rows, or (blocks, batch, prefix, hidden) per sample."""
     if prompts.dtype not in HIDDEN_DTYPES:
         raise ProtocolError(f"prompts must be float32, bfloat16 or float16, not {prompts.dtype}")
-    if prompts.ndim != 3 or prompts.shape[0] != blocks or prompts.shape[2] != limits.hidden_size:
+    per_sample = prompts.ndim == 4
+    if (
+        prompts.ndim not in (3, 4)
+        or prompts.shape[0] != blocks
+        or prompts.shape[-1] != limits.hidden_size
+        or (per_sample and prompts.shape[1] != batch)
+    ):
         raise ProtocolError(
-            f"prompts must have shape ({blocks}, prefix, {limits.hidden_size}) for {blocks} blocks, "
-            f"got {tuple(prompts.shape)}"
+            f"prompts must have shape ({blocks}, prefix, {limits.hidden_size}) or ({blocks}, {batch}, prefix, "
+            f"{limits.hidden_size}) for {blocks} blocks and batch {batch}, got {tuple(prompts.shape)}"
         )
-    if not 1 <= prompts.shape[1] <= (limits.max_position if any_length else seq):
-        raise ProtocolError(f"prompts cover {prompts.shape[1]} positions; the sequence has {seq}")
+    if not 1 <= prompts.shape[-2] <= (limits.max_position if any_length else seq):
+        raise ProtocolError(f"prompts cover {prompts.shape[-2]} positions; the sequence has {seq}")
     if not torch.isfinite(prompts).all():
         raise ProtocolError("prompts contain NaN or infinite values")
 
 
-def _hidden_first(
-    tensors: list[torch.Tensor], expected: int, what: str, limits: SpanLimits
-) -> tuple[torch.Tensor, Iterator[torch.Tensor]]:
-    """The checked hidden states a message starts with, and an iterator over the tensors after them."""
-    if len(tensors) != expected:
-        raise ProtocolError(f"{what} declares {expected} tensors but carries {len(tensors)}")
-    rest = iter(tensors)
-    hidden = next(rest)
-    check_hidden(hidden, limits)
-    return hidden, rest
-
-
-def check_span_request(header: ForwardRequest, tensors: list[torch.Tensor], limits: SpanLimits) -> SpanInputs:
-    """Validate a forward or backward request and return its typed inputs."""
+def check_span_request(header: ForwardRequest, tensors: list[torch.Tensor], limits: SpanLimits) -> SpanTensors:
+    """Validate a forward or backward request and return its bundle, with index tensors as int64."""
     check_blocks(header.start_block, header.end_block, limits)
-    backward = isinstance(header, BackwardRequest)
-    expected = 1 + backward + header.has_attention_mask + header.has_position_ids + header.has_prompts
-    hidden, rest = _hidden_first(tensors, expected, f"{header.kind} request", limits)
-    batch, seq = hidden.shape[:2]
-    grad_outputs = mask = positions = prompts = None
-    if backward:
-        grad_outputs = next(rest)
-        check_hidden(grad_outputs, limits, what="grad_outputs")
-        if grad_outputs.shape != hidden.shape:
-            raise ProtocolError(f"grad_outputs has shape {tuple(grad_outputs.shape)}, not {tuple(hidden.shape)}")
-    if header.has_attention_mask:
-        mask = _checked_mask(next(rest), batch, seq)
-    if header.has_position_ids:
-        positions = _checked_positions(next(rest), batch, seq, limits)
-    if header.has_prompts:
-        prompts = next(rest)
-        check_prompts(prompts, header.end_block - header.start_block, seq, limits)
-    return SpanInputs(hidden, mask, positions, prompts, grad_outputs)
+    if isinstance(header, BackwardRequest) and "grad_outputs" not in header.tensors:
+        raise ProtocolError("a backward request carries grad_outputs")
+    bundle = SpanTensors.from_wire(header.tensors, tensors)
+    check_hidden(bundle.hidden, limits)
+    batch, seq = bundle.hidden.shape[:2]
+    if bundle.grad_outputs is not None:
+        check_hidden(bundle.grad_outputs, limits, what="grad_outputs")
+        if bundle.grad_outputs.shape != bundle.hidden.shape:
+            raise ProtocolError(
+                f"grad_outputs has shape {tuple(bundle.grad_outputs.shape)}, not {tuple(bundle.hidden.shape)}"
+            )
+    if bundle.prompts is not None:
+        check_prompts(bundle.prompts, header.end_block - header.start_block, batch, seq, limits)
+    mask, positions = bundle.attention_mask, bundle.position_ids
+    return replace(
+        bundle,
+        attention_mask=None if mask is None else _checked_mask(mask, batch, seq),
+        position_ids=None if positions is None else _checked_positions(positions, batch, seq, limits),
+    )
 
 
 def check_open(header: InferenceOpen, limits: SpanLimits) -> None:
@@ -148,29 +142,34 @@ def check_open(header: InferenceOpen, limits: SpanLimits) -> None:
 
 def check_step(
     header: InferenceStep, tensors: list[torch.Tensor], limits: SpanLimits, session: InferenceOpen, past: int
-) -> SpanInputs:
-    """Validate one step of an open session that already holds `past` tokens."""
-    expected = 1 + header.has_attention_mask + header.has_position_ids + header.has_hypo_ids + header.has_prompts
-    hidden, rest = _hidden_first(tensors, expected, "step", limits)
-    batch, seq = hidden.shape[:2]
+) -> SpanTensors:
+    """Validate one step of an open session that holds `past` tokens (before any rollback the step asks for)."""
+    bundle = SpanTensors.from_wire(header.tensors, tensors)
+    check_hidden(bundle.hidden, limits, min_seq=0)
+    batch, seq = bundle.hidden.shape[:2]
     if batch != session.batch_size:
         raise ProtocolError(f"step has batch {batch}; the session was opened for batch {session.batch_size}")
+    if header.start_from_position is not None:
+        if header.start_from_position > past:
+            raise ProtocolError(
+                f"start_from_position {header.start_from_position} is beyond the {past} tokens the session holds"
+            )
+        past = header.start_from_position
     if past + seq > session.max_length:
         raise ProtocolError(
             f"step would take the session to {past + seq} tokens, beyond its max_length of {session.max_length}"
         )
-    mask = positions = hypo_ids = prompts = None
-    if header.has_attention_mask:
-        mask = _checked_mask(next(rest), batch, past + seq)
-    if header.has_position_ids:
-        positions = _checked_positions(next(rest), batch, seq, limits)
-    if header.has_hypo_ids:
-        hypo_ids = next(rest)
+    mask, positions, hypo_ids = bundle.attention_mask, bundle.position_ids, bundle.hypo_ids
+    if mask is not None:
+        mask = _checked_mask(mask, batch, past + seq)
+    if positions is not None:
+        positions = _checked_positions(positions, batch, seq, limits)
+    if hypo_ids is not None:
         _check_index_tensor(hypo_ids, (batch,), "hypo_ids")
         if hypo_ids.dtype == torch.bool or hypo_ids.min() < 0 or hypo_ids.max() >= batch:
             raise ProtocolError(f"hypo_ids must lie in [0, {batch})")
         hypo_ids = hypo_ids.to(torch.int64)
-    if header.has_prompts:
-        prompts = next(rest)
-        check_prompts(prompts, session.end_block - session.start_block, max(seq, 1), limits, any_length=True)
-    return SpanInputs(hidden, mask, positions, prompts, hypo_ids=hypo_ids)
+    if bundle.prompts is not None:
+        blocks = session.end_block - session.start_block
+        check_prompts(bundle.prompts, blocks, batch, max(seq, 1), limits, any_length=True)
+    return replace(bundle, attention_mask=mask, position_ids=positions, hypo_ids=hypo_ids)

@@ -1,0 +1,73 @@
+"""The one typed bundle of tensors a span message carries, and the only place that knows their order on the wire.
+
+Both sides build a SpanTensors, send `names()` in the header and `tensors()` after it, and rebuild it with
+`SpanTensors.from_wire(header.tensors, tensors)`. Shapes and values are checked by the receiver against its limits
+(server.validation); this module checks only that the names are known, unique and in wire order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Literal, get_args
+
+import torch
+
+from swarmlm.errors import ProtocolError
+
+TensorName = Literal["hidden", "grad_outputs", "attention_mask", "position_ids", "hypo_ids", "prompts"]
+# wire order of the tensors of a message: the order of SpanTensors' fields
+WIRE_ORDER: tuple[str, ...] = get_args(TensorName)
+
+
+@dataclass(frozen=True)
+class SpanTensors:
+    """What travels with a span's hidden states, in either direction of a forward, backward or inference step."""
+
+    hidden: torch.Tensor  # (batch, seq, hidden); seq may be 0 in an inference step (a no-op)
+    grad_outputs: torch.Tensor | None = None  # (batch, seq, hidden): gradient wrt the span's output (backward)
+    attention_mask: torch.Tensor | None = None  # (batch, past + seq) of 0/1
+    position_ids: torch.Tensor | None = None  # (batch, seq) absolute positions
+    hypo_ids: torch.Tensor | None = None  # (batch,) cache rows to reorder to before an inference step (beam search)
+    prompts: torch.Tensor | None = None  # deep prompts (blocks, prefix, hidden), or per sample (blocks, batch, ...)
+
+    def names(self) -> list[str]:
+        """Names of the tensors present, in wire order (the header's `tensors` field)."""
+        return [name for name in WIRE_ORDER if getattr(self, name) is not None]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors present, in wire order."""
+        return [getattr(self, name) for name in self.names()]
+
+    @classmethod
+    def from_wire(cls, names: Sequence[str], tensors: Sequence[torch.Tensor]) -> SpanTensors:
+        """Rebuild a bundle from a header's names and the tensors that followed it."""
+        check_names(names)
+        if len(names) != len(tensors):
+            raise ProtocolError(f"the header names {len(names)} tensors but the message carries {len(tensors)}")
+        return cls(**dict(zip(names, tensors, strict=True)))
+
+    def select_rows(self, begin: int, end: int) -> SpanTensors:
+        """The bundle of batch rows [begin, end) (hypo_ids, which index rows, cannot be split)."""
+        if self.hypo_ids is not None:
+            raise ValueError("a bundle with hypo_ids cannot be split into rows")
+        per_sample = self.prompts is not None and self.prompts.ndim == 4
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name in ("hidden", "grad_outputs", "attention_mask", "position_ids"):
+            if values[name] is not None:
+                values[name] = values[name][begin:end]
+        if per_sample:
+            values["prompts"] = self.prompts[:, begin:end]
+        return SpanTensors(**values)
+
+
+def check_names(names: Sequence[str], allowed: Sequence[str] = WIRE_ORDER) -> None:
+    """Names must start with hidden, be known here and allowed in this message kind, unique, and in wire order."""
+    unknown = [name for name in names if name not in allowed]
+    if unknown:
+        raise ProtocolError(f"tensors {unknown} are not expected in this message; allowed: {list(allowed)}")
+    if not names or names[0] != "hidden":
+        raise ProtocolError("a message's tensors start with hidden")
+    positions = [WIRE_ORDER.index(name) for name in names]
+    if positions != sorted(set(positions)):
+        raise ProtocolError(f"tensors must be unique and in the order {list(WIRE_ORDER)}, got {list(names)}")
