@@ -86,7 +86,7 @@ def test_another_model_under_the_same_prefix_is_never_used(tiny_model_dir: Path,
     # the other model's server is announced under the same key: the DHT has it
     found = swarm.dht.get(servers_key(PREFIX), latest=True).value
     assert other_peer in found
-    with connected_model(tiny_model_dir, swarm, dht_prefix=PREFIX) as model:
+    with connected_model(tiny_model_dir, swarm) as model:
         manager = model.model.layers.client.manager
         assert set(manager.servers) == _real_peers(swarm)
         _assert_forward_equals_local(model, reference, seed=1)
@@ -107,7 +107,7 @@ def test_malformed_records_are_rejected_and_ignored(tiny_model_dir: Path, refere
         # honest nodes (the bootstrap node and the servers) refused all of it
         stored = swarm.dht.get(key, latest=True).value
         assert isinstance(stored, dict) and set(stored) <= _real_peers(swarm) | {swarm.other.servers[0].peer_id}
-        with connected_model(tiny_model_dir, swarm, dht_prefix=PREFIX) as model:
+        with connected_model(tiny_model_dir, swarm) as model:
             assert set(model.model.layers.client.manager.servers) == _real_peers(swarm)
             _assert_forward_equals_local(model, reference, seed=2)
     finally:
@@ -125,7 +125,7 @@ def test_nobody_else_can_take_a_server_offline(tiny_model_dir: Path, reference, 
             attacker.store(key, offline, get_dht_time() + 3600, subkey=victim)
         # the honest nodes kept the victim's own record
         assert swarm.dht.get(key, latest=True).value[victim].value["state"] == "online"
-        with connected_model(tiny_model_dir, swarm, dht_prefix=PREFIX, swarm_refresh_interval_s=0.5) as model:
+        with connected_model(tiny_model_dir, swarm, swarm_refresh_interval_s=0.5) as model:
             manager = model.model.layers.client.manager
             time.sleep(1.5)  # a few background refreshes, each meeting the attackers' copies
             assert victim in manager.servers
