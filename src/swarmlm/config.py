@@ -40,3 +40,7 @@ class ClientConfig:
     ban_base_s: float = 1.0  # first ban of a failed server; doubles on each further failure
     ban_max_s: float = 60.0  # longest ban
     swarm_refresh_interval_s: float = 5.0  # how often the swarm view is re-read from the DHT in the background
+    dht_timeout_s: float = 10.0  # longest a DHT read or store may take before it counts as failed
+    allowed_servers: tuple[str, ...] | None = None  # peer ids of the only servers to use (None: any server)
+    blocked_servers: tuple[str, ...] = ()  # peer ids of servers never to use
+    accepted_dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")  # compute dtypes of servers to use

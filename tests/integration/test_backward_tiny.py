@@ -146,11 +146,11 @@ def test_sigkill_between_forward_and_backward_keeps_gradients_exact(reference, t
     embeds = reference.model.embed_tokens(ids).detach().requires_grad_()
     logits = model(inputs_embeds=embeds).logits
     manager = model.model.layers.client.manager
-    used = [s for s in replicated_swarm.servers[1:] if s.peer_id in manager._latency]
+    used = [s for s in replicated_swarm.servers[1:] if manager.health.has_measured(s.peer_id)]
     assert len(used) == 1
     replicated_swarm.kill(used[0])
     (logits * weights).sum().backward()
-    assert used[0].peer_id in manager._bans  # the backward met the dead server and recomputed around it
+    assert manager.health.failed(used[0].peer_id)  # the backward met the dead server and recomputed around it
     tuning = model.prompt_tuning
     remote = (embeds.grad, tuning.deep_prompts.grad.clone(), tuning.prompt_embeddings.grad.clone())
     _, local = gradients(model, reference, ids, weights)

@@ -153,10 +153,10 @@ def test_sigkill_mid_prefill_and_mid_decode_changes_nothing(smollm_dir, referenc
         output = model.generate(**inputs, max_new_tokens=24, do_sample=False)
         killer.join()
         assert output.tolist() == expected.tolist()
-        assert killed[0] in manager._bans  # the prefill met the dead server and was recovered
+        assert manager.health.failed(killed[0])  # the prefill met the dead server and was recovered
 
         # then two servers, one after another, while decoding
         streamer = KillAfterTokens(model, swarm, [(4, 0), (10, 0)])  # the 0:15 server, then its replacement
         output = model.generate(**inputs, max_new_tokens=24, do_sample=False, streamer=streamer)
         assert output.tolist() == expected.tolist()
-        assert len(streamer.killed) == 2 and all(peer in manager._bans for peer in streamer.killed)
+        assert len(streamer.killed) == 2 and all(manager.health.failed(peer) for peer in streamer.killed)

@@ -223,3 +223,13 @@ def test_random_swarms_route_is_exact_cover_and_cheapest(seed: int) -> None:
         _check_route_shape(servers, route, start, end, banned)
         best = _reference_cost(servers, start, end, banned, tokens)
         assert _route_cost(servers, route, tokens) == pytest.approx(best, rel=1e-9, abs=1e-12)
+
+
+def test_announced_throughputs_are_bounded_by_the_median() -> None:
+    from swarmlm.swarm.routing import MAX_PRIOR_FACTOR, bounded_priors
+
+    assert bounded_priors([1000.0, 1e12, 900.0]) == [1000.0, MAX_PRIOR_FACTOR * 1000.0, 900.0]
+    # with two servers the lower median is used: the liar cannot raise the cap itself
+    assert bounded_priors([1000.0, 1e12]) == [1000.0, MAX_PRIOR_FACTOR * 1000.0]
+    assert bounded_priors([]) == []
+    assert bounded_priors([float("nan"), 5.0])[1] == 5.0

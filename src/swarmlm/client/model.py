@@ -16,6 +16,7 @@ from swarmlm.client.prompts import PromptTuning
 from swarmlm.client.remote_sequential import RemoteSequential, SwarmClient
 from swarmlm.config import ClientConfig
 from swarmlm.errors import ModelLoadError
+from swarmlm.models.fingerprint import model_fingerprint
 from swarmlm.models.loading import load_config, load_tensors, resolve_model
 from swarmlm.models.naming import default_dht_prefix
 from swarmlm.models.registry import ModelFamily, get_family
@@ -65,7 +66,9 @@ class DistributedCausalLMMixin(RemoteGenerationMixin):
             instance.prompt_tuning = PromptTuning(
                 tuning_mode, pre_seq_len, config.hidden_size, config.num_hidden_layers, config.initializer_range
             )
-        client = SwarmClient(client_config, options["dht_prefix"], config.num_hidden_layers)
+        # only servers of this very checkpoint are used, whatever else is announced under the prefix
+        fingerprint = model_fingerprint(model_dir)
+        client = SwarmClient(client_config, options["dht_prefix"], config.num_hidden_layers, fingerprint)
         instance.model.layers = RemoteSequential(client)
         return instance
 

@@ -21,10 +21,10 @@ logger = logging.getLogger(__name__)
 class SwarmClient:
     """What all RemoteSequential slices of one model share: the event loop thread and the view of the swarm."""
 
-    def __init__(self, config: ClientConfig, dht_prefix: str, num_blocks: int):
+    def __init__(self, config: ClientConfig, dht_prefix: str, num_blocks: int, fingerprint: str | None = None):
         self.config = config
         self.loop = LoopThread()
-        self.manager = SequenceManager(config, dht_prefix, num_blocks)
+        self.manager = SequenceManager(config, dht_prefix, num_blocks, fingerprint)
         try:
             self.loop.run(self.manager.start())
         except BaseException:

@@ -1,4 +1,4 @@
-"""The client's view of the swarm: who serves which blocks, who is banned, and routes through them."""
+"""The client's link to the swarm: its DHT node and P2P handle, composing the swarm view, health and dialing."""
 
 from __future__ import annotations
 
@@ -10,33 +10,51 @@ import time
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
+from swarmlm.client.health import Health
+from swarmlm.client.swarm_view import ServerFilter, SwarmView
 from swarmlm.config import ClientConfig
 from swarmlm.errors import MissingBlocksError
 from swarmlm.swarm.dht import ParentBoundDHT, is_loopback_maddr, start_dht
-from swarmlm.swarm.records import ServerRecord, ServerState, fetch_servers
-from swarmlm.swarm.routing import RouteSpan, ServerView, find_route, missing_blocks
+from swarmlm.swarm.records import ServerRecord, fetch_servers
+from swarmlm.swarm.routing import RouteSpan, find_route, missing_blocks
 
 logger = logging.getLogger(__name__)
 
-# weight of the newest sample in the exponential moving average of a server's round-trip time
-LATENCY_EMA_WEIGHT = 0.3
 # polling interval while waiting for missing blocks to be served
 MISSING_BLOCKS_POLL_S = 0.5
 
 
-class SequenceManager:
-    """Owns the client's DHT node and P2P handle; lives on (and must be used from) the client's event loop."""
+async def dial(p2p: P2P, peer: PeerID, addrs: list[str]) -> None:
+    """Tell our p2pd where a server listens, so the first call need not wait for the DHT to have met it.
 
-    def __init__(self, config: ClientConfig, dht_prefix: str, num_blocks: int):
+    hivemind has no public connect(); its own code calls the daemon client (the private `_client`) the same way.
+    The daemon wants transport addresses: the trailing /p2p/<peer id> of announced multiaddrs is dropped.
+    """
+    await p2p._client.connect(peer, [Multiaddr(addr.split("/p2p/")[0]) for addr in addrs])
+
+
+class SequenceManager:
+    """Owns the client's DHT node and P2P handle; lives on (and must be used from) the client's event loop.
+
+    fingerprint: the model's (models/fingerprint.py); only servers announcing it are used (None: no check).
+    """
+
+    def __init__(self, config: ClientConfig, dht_prefix: str, num_blocks: int, fingerprint: str | None = None):
         self.config, self.dht_prefix, self.num_blocks = config, dht_prefix, num_blocks
         self.dht: ParentBoundDHT | None = None
         self.p2p: P2P | None = None
-        self.servers: dict[str, ServerRecord] = {}
-        self._bans: dict[str, tuple[float, int]] = {}  # peer -> (banned until, consecutive failures)
-        self._latency: dict[str, float] = {}  # peer -> smoothed round trip in seconds
+        self.view = SwarmView(
+            ServerFilter.of(fingerprint, config.accepted_dtypes, config.allowed_servers, config.blocked_servers)
+        )
+        self.health = Health(config.ban_base_s, config.ban_max_s)
         self._connected: set[str] = set()
         self._rng = random.Random()
         self._refresh_task: asyncio.Task | None = None
+
+    @property
+    def servers(self) -> dict[str, ServerRecord]:
+        """Online servers this client accepts, by peer id."""
+        return self.view.servers
 
     async def start(self) -> None:
         peers = self.config.initial_peers
@@ -56,62 +74,48 @@ class SequenceManager:
 
     async def refresh(self) -> None:
         try:
-            records = await fetch_servers(self.dht, self.dht_prefix)
+            async with asyncio.timeout(self.config.dht_timeout_s):
+                records = await fetch_servers(self.dht, self.dht_prefix)
         except Exception as e:  # noqa: BLE001 - a failed refresh keeps the previous view; the next one retries
-            logger.warning("Reading the swarm from the DHT failed: %s", e)
+            logger.warning("Reading the swarm from the DHT failed: %s", repr(e))
             return
-        self.servers = {peer: r for peer, r in records.items() if r.state == ServerState.ONLINE}
+        self.view.update(records)
 
     async def _refresh_forever(self) -> None:
         while True:
             await asyncio.sleep(self.config.swarm_refresh_interval_s)
             await self.refresh()
 
-    def _views(self) -> list[ServerView]:
-        return [
-            ServerView(peer, r.start, r.end, r.throughput, self._latency.get(peer)) for peer, r in self.servers.items()
-        ]
-
-    def _banned(self) -> set[str]:
-        now = time.monotonic()
-        return {peer for peer, (until, _) in self._bans.items() if until > now}
-
     async def make_route(self, start: int, end: int, tokens: int = 1) -> list[RouteSpan]:
         """A route over blocks [start, end); waits for missing blocks up to the configured timeout."""
         began = time.monotonic()
         while True:
-            banned = self._banned()
-            route = find_route(self._views(), start, end, banned=banned, tokens=tokens, rng=self._rng)
+            banned, views = self.health.banned(), self.view.views(self.health)
+            route = find_route(views, start, end, banned=banned, tokens=tokens, rng=self._rng)
             if route is not None:
                 return route
             waited = time.monotonic() - began
             if waited >= self.config.missing_blocks_timeout_s:
-                missing = missing_blocks(self._views(), start, end, banned=banned)
+                missing = missing_blocks(views, start, end, banned=banned)
                 raise MissingBlocksError(missing or list(range(start, end)), waited)
             await asyncio.sleep(MISSING_BLOCKS_POLL_S)
             await self.refresh()
 
     def ban(self, peer_id: str, reason: object) -> None:
         """Avoid a failed server for a while; each further failure doubles the ban (up to ban_max_s)."""
-        failures = self._bans.get(peer_id, (0.0, 0))[1] + 1
-        duration = min(self.config.ban_base_s * 2 ** (failures - 1), self.config.ban_max_s)
-        self._bans[peer_id] = (time.monotonic() + duration, failures)
+        duration = self.health.ban(peer_id)
         self._connected.discard(peer_id)
         logger.warning("Server ...%s failed (%s); avoiding it for %.1f s", peer_id[-6:], reason, duration)
 
-    def record_success(self, peer_id: str, round_trip_s: float) -> None:
-        self._bans.pop(peer_id, None)
-        old = self._latency.get(peer_id)
-        self._latency[peer_id] = round_trip_s if old is None else old + LATENCY_EMA_WEIGHT * (round_trip_s - old)
+    def record_success(self, peer_id: str, round_trip_s: float, work: float = 1.0) -> None:
+        """A call to `peer_id` of `work` block-tokens took round_trip_s in total (compute included), by our clock."""
+        self.health.record_success(peer_id, round_trip_s, work)
 
     async def ensure_connected(self, peer_id: str) -> PeerID:
         """Tell p2pd the announced addresses of a server before the first call (it may not have met it via the DHT)."""
         peer = PeerID.from_base58(peer_id)
         record = self.servers.get(peer_id)
         if peer_id not in self._connected and record is not None and record.addrs:
-            # hivemind has no public connect(); its own code calls the daemon client the same way
-            # the daemon wants transport addresses: drop the trailing /p2p/<peer id> of announced multiaddrs
-            addrs = [Multiaddr(addr.split("/p2p/")[0]) for addr in record.addrs]
-            await self.p2p._client.connect(peer, addrs)
+            await dial(self.p2p, peer, list(record.addrs))
             self._connected.add(peer_id)
         return peer

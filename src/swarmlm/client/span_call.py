@@ -28,6 +28,12 @@ async def _as_stream(header: _Header, tensors: Sequence[torch.Tensor]) -> AsyncI
         yield part
 
 
+def call_work(blocks: int, tensors: Sequence[torch.Tensor]) -> int:
+    """Blocks x tokens a call asks for: the size against which its measured time is costed."""
+    tokens = tensors[0].shape[0] * tensors[0].shape[1] if tensors and tensors[0].dim() >= 2 else 0
+    return blocks * tokens
+
+
 @contextlib.contextmanager
 def remote_errors(method: str, peer_id: str, timeout_s: float) -> Iterator[None]:
     """Translate what can go wrong while talking to a server into RemoteCallError."""
@@ -67,7 +73,9 @@ async def call_span(
             replies = await getattr(service.stub(manager.p2p, peer), method)(_as_stream(header, tensors))
             message = await read_only_message(replies, ReplyHeader, max_bytes=MAX_REPLY_BYTES)
     reply, outputs = check_reply(message, method, peer_id)
-    manager.record_success(peer_id, max(time.perf_counter() - began - reply.compute_ms / 1000, 0.0))
+    # the whole time by our clock, compute included: the compute time a server reports is its claim, not a measure
+    blocks = getattr(header, "end_block", 0) - getattr(header, "start_block", 0)
+    manager.record_success(peer_id, time.perf_counter() - began, call_work(blocks, tensors))
     return reply, outputs
 
 
@@ -76,6 +84,7 @@ class SpanStream:
 
     def __init__(self, manager: SequenceManager, peer_id: str, method: str):
         self.manager, self.peer_id, self.method = manager, peer_id, method
+        self._blocks = 0  # blocks of the session, known from its opening message
         self._queue: asyncio.Queue[runtime_pb2.ExpertRequest | None] = asyncio.Queue()
         self._replies: AsyncIterator[runtime_pb2.ExpertResponse] | None = None
 
@@ -86,6 +95,8 @@ class SpanStream:
     async def exchange(self, header: _Header, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         began = time.perf_counter()
         timeout_s = self.manager.config.request_timeout_s
+        if hasattr(header, "end_block"):
+            self._blocks = header.end_block - header.start_block
         with remote_errors(self.method, self.peer_id, timeout_s):
             async with asyncio.timeout(timeout_s):
                 if self._replies is None:
@@ -95,8 +106,8 @@ class SpanStream:
                 for part in encode(header, tensors, runtime_pb2.ExpertRequest):
                     self._queue.put_nowait(part)
                 message = await read_message(self._replies, ReplyHeader, max_bytes=MAX_REPLY_BYTES)
-        reply, outputs = check_reply(message, self.method, self.peer_id)
-        self.manager.record_success(self.peer_id, max(time.perf_counter() - began - reply.compute_ms / 1000, 0.0))
+        _, outputs = check_reply(message, self.method, self.peer_id)
+        self.manager.record_success(self.peer_id, time.perf_counter() - began, call_work(self._blocks, tensors))
         return outputs
 
     async def close(self) -> None:

@@ -10,8 +10,10 @@ import sys
 import hivemind
 import torch
 
+from swarmlm import __version__
 from swarmlm.config import ServerConfig
 from swarmlm.errors import SwarmError
+from swarmlm.models.fingerprint import model_fingerprint
 from swarmlm.models.loading import load_config, resolve_model
 from swarmlm.models.naming import default_dht_prefix
 from swarmlm.models.span import SpanModel
@@ -42,6 +44,8 @@ class Server:
         self.dht_prefix = config.dht_prefix or default_dht_prefix(config.model)
         model_dir = resolve_model(config.model, cache_dir=config.cache_dir)
         num_blocks = load_config(model_dir).num_hidden_layers
+        # clients use only servers of the very model they loaded: announced in every record
+        self.fingerprint = model_fingerprint(model_dir)
         if not 0 <= config.start_block < config.end_block <= num_blocks:
             raise SwarmError(
                 f"--blocks {config.start_block}:{config.end_block} is outside the model's blocks 0:{num_blocks}"
@@ -75,6 +79,13 @@ class Server:
             throughput=self.throughput,
             dtype=self.config.dtype,
             addrs=tuple(addrs),
+            fingerprint=self.fingerprint,
+            version=__version__,
+            max_tokens_per_request=self.config.max_tokens_per_request,
+            cache_tokens_total=self.cache_tokens,
+            # the live free count is not tracked here yet: the whole budget is announced
+            cache_tokens_left=self.cache_tokens,
+            inference_throughput=None,
         )
 
     async def _serve(self) -> None:

@@ -5,10 +5,13 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import shutil
 from collections.abc import Sequence
 
 import hivemind
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from swarmlm.swarm.identity import PeerIdSignatureValidator, temporary_identity_file
 from swarmlm.utils.processes import kill_group_when_orphaned
 
 logger = logging.getLogger(__name__)
@@ -40,21 +43,35 @@ def start_dht(
     port: int = 0,
     client_mode: bool = False,
 ) -> ParentBoundDHT:
-    """Start a DHT node; on a loopback host the NAT traversal and relay machinery of p2pd is turned off."""
+    """Start a DHT node; on a loopback host the NAT traversal and relay machinery of p2pd is turned off.
+
+    The node gets a fresh Ed25519 identity and validates every record it stores or reads: only the owner of a peer
+    id may write that peer id's entry (see swarm/identity.py).
+    """
     loopback = _is_loopback_host(host)
     ip = "ip6" if ":" in host else "ip4"
     kwargs: dict[str, object] = {}
     if loopback:
         kwargs = dict(nat_port_map=False, auto_nat=False, use_relay=False, use_auto_relay=False)
-    dht = ParentBoundDHT(
-        initial_peers=list(initial_peers),
-        host_maddrs=[f"/{ip}/{host}/tcp/{port}"],
-        client_mode=client_mode,
-        start=False,
-        **kwargs,
-    )
-    dht._bound_parent_pid = os.getpid()
-    dht.run_in_background(await_ready=True)
+    key = Ed25519PrivateKey.generate()
+    identity_path = temporary_identity_file(key)
+    try:
+        dht = ParentBoundDHT(
+            initial_peers=list(initial_peers),
+            host_maddrs=[f"/{ip}/{host}/tcp/{port}"],
+            client_mode=client_mode,
+            start=False,
+            record_validators=[PeerIdSignatureValidator(key)],
+            identity_path=str(identity_path),
+            # hivemind's "is this identity taken" check parses RSA keys only; a fresh random key is never taken
+            check_if_identity_free=False,
+            **kwargs,
+        )
+        dht._bound_parent_pid = os.getpid()
+        dht.run_in_background(await_ready=True)
+    finally:
+        # p2pd has read the key once it runs; the key stays only in this process and the DHT's
+        shutil.rmtree(identity_path.parent, ignore_errors=True)
     return dht
 
 

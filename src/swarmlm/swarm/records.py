@@ -7,9 +7,11 @@ from enum import StrEnum
 
 import hivemind
 from hivemind.utils import get_dht_time
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from hivemind.utils.multiaddr import Multiaddr
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from swarmlm.protocol.messages import PROTOCOL_VERSION
+from swarmlm.swarm.identity import public_key_of
 
 logger = logging.getLogger(__name__)
 
@@ -23,16 +25,31 @@ class ServerState(StrEnum):
 class ServerRecord(BaseModel):
     """One server's announcement, stored under the model's key with the server's peer id as subkey."""
 
-    # newer servers may announce more fields; a client reads what it knows
-    model_config = ConfigDict(extra="ignore", frozen=True)
+    # newer servers may announce more fields; a client reads what it knows. Records come from the network:
+    # numbers must be finite, so that no NaN or infinity reaches routing.
+    model_config = ConfigDict(extra="ignore", frozen=True, allow_inf_nan=False)
 
     state: ServerState
     start: int = Field(ge=0)  # first block served
     end: int = Field(ge=1)  # one past the last block served
-    throughput: float = Field(gt=0)  # measured tokens/s through one block
+    throughput: float = Field(gt=0)  # tokens/s through one block, as the server measured itself (a claim)
     dtype: str  # compute dtype of the server's blocks
     protocol_version: int = PROTOCOL_VERSION
     addrs: tuple[str, ...] = ()  # multiaddrs the server listens on
+    fingerprint: str = ""  # models/fingerprint.py of the model served ("" from servers too old to say)
+    version: str = ""  # swarmlm package version of the server
+    max_tokens_per_request: int = Field(default=0, ge=0)  # batch * sequence tokens one request may carry (0: unknown)
+    cache_tokens_total: int = Field(default=0, ge=0)  # KV-cache budget of the server, in tokens
+    cache_tokens_left: int | None = Field(default=None, ge=0)  # KV-cache tokens free now (None: unknown)
+    inference_throughput: float | None = Field(default=None, gt=0)  # decode steps/s through one block, if measured
+
+    @field_validator("addrs")
+    @classmethod
+    def _parseable_addrs(cls, addrs: tuple[str, ...]) -> tuple[str, ...]:
+        # an address the client cannot parse would fail its dial; reject the record instead
+        for addr in addrs:
+            Multiaddr(addr.split("/p2p/")[0])  # raises StringParseError, a ValueError: pydantic reports it
+        return addrs
 
 
 def servers_key(dht_prefix: str) -> str:
@@ -57,8 +74,13 @@ async def fetch_servers(dht: hivemind.DHT, dht_prefix: str) -> dict[str, ServerR
         return {}
     records = {}
     for peer_id, entry in found.value.items():
+        # DHT validators already drop records not signed by their subkey's peer id; this also guards against a
+        # node without them (garbage subkeys, values of the wrong type)
+        if not isinstance(peer_id, str) or public_key_of(peer_id) is None:
+            logger.debug("Ignoring a record under %r: not an Ed25519 peer id", str(peer_id)[:60])
+            continue
         try:
-            records[str(peer_id)] = ServerRecord.model_validate(entry.value)
-        except (ValidationError, AttributeError) as e:
+            records[peer_id] = ServerRecord.model_validate(entry.value)
+        except (ValidationError, AttributeError, TypeError, ValueError) as e:
             logger.debug("Ignoring unreadable record of %s: %s", peer_id, e)
     return records

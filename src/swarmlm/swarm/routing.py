@@ -2,6 +2,7 @@
 
 import math
 import random
+import statistics
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -10,6 +11,9 @@ from typing import NamedTuple
 DEFAULT_HOP_COST_S = 0.005
 # Round trip assumed for a server this client has not measured: a typical wide-area RTT, so measured near servers win.
 DEFAULT_LATENCY_S = 0.1
+# An announced throughput is only a claim: until the client measures a server, its claim counts for at most this
+# many times the swarm's median claim, so one server announcing an absurd figure cannot attract every route.
+MAX_PRIOR_FACTOR = 2.0
 # Relative slack when comparing float route costs, so alternatives equal up to rounding still count as ties.
 _TIE_REL_TOL = 1e-9
 
@@ -42,6 +46,18 @@ class _Group(NamedTuple):
     hop_cost: float  # fixed cost of one hop: overhead plus round trip
     block_cost: float  # cost of one block for the requested number of tokens
     peers: tuple[str, ...]  # sorted, without duplicates, so random tie-breaking is fair and reproducible
+
+
+def bounded_priors(announced: Sequence[float]) -> list[float]:
+    """Announced throughputs clamped to MAX_PRIOR_FACTOR times their median (the lower median, over the valid ones).
+
+    Invalid entries (not finite or not positive) are returned unchanged: routing ignores such servers anyway.
+    """
+    valid = [t for t in announced if math.isfinite(t) and t > 0]
+    if not valid:
+        return list(announced)
+    cap = MAX_PRIOR_FACTOR * statistics.median_low(valid)
+    return [min(t, cap) if math.isfinite(t) and t > 0 else t for t in announced]
 
 
 def _check_range(start: int, end: int) -> None:

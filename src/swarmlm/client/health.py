@@ -1,0 +1,111 @@
+"""What this client learned about servers by itself: bans after failures and the measured cost of calls.
+
+Routing must not trust what a server says about its speed (its announced throughput, the compute time it reports in
+replies): a server could claim anything to attract routes. The costs here come only from the client's own clock:
+the total time of each call, compute included, fitted to `time = fixed + work * per_work` where work is blocks x
+tokens of the call. No sockets here: the manager feeds it, routing reads it, unit tests drive it directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+# weight of the newest call in the exponentially weighted moments of a server's call times
+EMA_WEIGHT = 0.3
+# the per-work slope is fitted only once calls of clearly different sizes were seen: work's standard deviation must
+# exceed this fraction of its mean, otherwise the slope is noise and the (bounded) announced prior is used instead
+MIN_WORK_SPREAD = 0.1
+
+
+@dataclass
+class CallStats:
+    """Exponentially weighted moments of (work, seconds) over one server's calls."""
+
+    work: float  # mean of blocks x tokens per call
+    seconds: float  # mean total call time
+    work_sq: float  # mean of work^2
+    work_seconds: float  # mean of work x seconds
+    calls: int = 1
+
+    @classmethod
+    def first(cls, work: float, seconds: float) -> CallStats:
+        return cls(work, seconds, work * work, work * seconds)
+
+    def add(self, work: float, seconds: float) -> None:
+        w = EMA_WEIGHT
+        self.work += w * (work - self.work)
+        self.seconds += w * (seconds - self.seconds)
+        self.work_sq += w * (work * work - self.work_sq)
+        self.work_seconds += w * (work * seconds - self.work_seconds)
+        self.calls += 1
+
+    def fit(self, prior_per_work_s: float) -> tuple[float, float]:
+        """(fixed seconds per call, seconds per unit of work); the slope falls back to the prior when unmeasurable.
+
+        Whatever the slope, the fixed part is chosen so that the model reproduces the mean measured call time at the
+        mean measured work: the cost of calls like the ones measured is what was measured.
+        """
+        variance = self.work_sq - self.work * self.work
+        per_work = prior_per_work_s
+        if variance > (MIN_WORK_SPREAD * self.work) ** 2:
+            slope = (self.work_seconds - self.work * self.seconds) / variance
+            if math.isfinite(slope) and slope > 0:
+                per_work = slope
+        fixed = max(0.0, self.seconds - per_work * self.work)
+        return fixed, per_work
+
+
+class Health:
+    """Bans (exponential back-off per failing server) and call statistics per server."""
+
+    def __init__(self, ban_base_s: float, ban_max_s: float):
+        self.ban_base_s, self.ban_max_s = ban_base_s, ban_max_s
+        self._bans: dict[str, tuple[float, int]] = {}  # peer -> (banned until, consecutive failures)
+        self._stats: dict[str, CallStats] = {}
+
+    def ban(self, peer_id: str) -> float:
+        """Ban a failed server; each further failure doubles the ban (up to ban_max_s). Returns its length in s."""
+        failures = self._bans.get(peer_id, (0.0, 0))[1] + 1
+        duration = min(self.ban_base_s * 2 ** (failures - 1), self.ban_max_s)
+        self._bans[peer_id] = (time.monotonic() + duration, failures)
+        return duration
+
+    def banned(self) -> set[str]:
+        now = time.monotonic()
+        return {peer for peer, (until, _) in self._bans.items() if until > now}
+
+    def record_success(self, peer_id: str, seconds: float, work: float) -> None:
+        """A call of `work` block-tokens to `peer_id` took `seconds` in total, as measured by this client."""
+        self._bans.pop(peer_id, None)
+        if not (math.isfinite(seconds) and math.isfinite(work)) or seconds < 0 or work < 0:
+            return
+        stats = self._stats.get(peer_id)
+        if stats is None:
+            self._stats[peer_id] = CallStats.first(work, seconds)
+        else:
+            stats.add(work, seconds)
+
+    def measured(self, peer_id: str, prior_throughput: float) -> tuple[float, float] | None:
+        """(latency_s, throughput) for routing from this client's measurements; None if never measured.
+
+        prior_throughput (the bounded announced figure, block-tokens per second) is used only for the part the
+        measurements cannot tell: how the call time grows with work when all calls were of the same size.
+        """
+        stats = self._stats.get(peer_id)
+        if stats is None:
+            return None
+        prior = 1.0 / prior_throughput if math.isfinite(prior_throughput) and prior_throughput > 0 else 0.0
+        fixed, per_work = stats.fit(prior)
+        return fixed, (1.0 / per_work if per_work > 0 else prior_throughput)
+
+    def failed(self, peer_id: str) -> bool:
+        """Whether the server's last call failed (it was banned and has not succeeded since)."""
+        return peer_id in self._bans
+
+    def has_measured(self, peer_id: str) -> bool:
+        return peer_id in self._stats

@@ -1,0 +1,92 @@
+"""Which announced servers this client uses, and the routing view of them (records + own measurements -> views).
+
+A record is used only if it is online and serves the client's model (same fingerprint), speaks its protocol
+version, computes in an accepted dtype and passes the allow/block lists. Rejections are logged once per server.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from swarmlm.client.health import Health
+from swarmlm.protocol.messages import PROTOCOL_VERSION
+from swarmlm.swarm.records import ServerRecord, ServerState
+from swarmlm.swarm.routing import ServerView, bounded_priors
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServerFilter:
+    """What this client accepts of a server."""
+
+    fingerprint: str | None  # the model's fingerprint (None: any model under the prefix, for callers without one)
+    accepted_dtypes: frozenset[str]  # compute dtypes accepted
+    allowed: frozenset[str] | None = None  # only these peer ids (None: any)
+    blocked: frozenset[str] = frozenset()  # never these peer ids
+    protocol_version: int = PROTOCOL_VERSION  # the wire protocol this client speaks
+
+    @classmethod
+    def of(
+        cls,
+        fingerprint: str | None,
+        accepted_dtypes: Iterable[str],
+        allowed: Iterable[str] | None = None,
+        blocked: Iterable[str] = (),
+    ) -> ServerFilter:
+        return cls(
+            fingerprint,
+            frozenset(accepted_dtypes),
+            None if allowed is None else frozenset(allowed),
+            frozenset(blocked),
+        )
+
+    def rejection(self, peer_id: str, record: ServerRecord) -> str | None:
+        """Why this client does not use the server, or None if it does (an offline server is not "rejected")."""
+        if peer_id in self.blocked:
+            return "it is in blocked_servers"
+        if self.allowed is not None and peer_id not in self.allowed:
+            return "it is not in allowed_servers"
+        if record.protocol_version != self.protocol_version:
+            return f"it speaks protocol {record.protocol_version}, this client {self.protocol_version}"
+        if self.fingerprint is not None and record.fingerprint != self.fingerprint:
+            return f"it serves another model (fingerprint {record.fingerprint[:12] or 'none'!r})"
+        if record.dtype not in self.accepted_dtypes:
+            return f"its dtype {record.dtype!r} is not accepted"
+        return None
+
+
+class SwarmView:
+    """The servers this client may route through, refreshed from the DHT's records."""
+
+    def __init__(self, server_filter: ServerFilter):
+        self.filter = server_filter
+        self.servers: dict[str, ServerRecord] = {}  # usable online servers by peer id
+        self._logged: dict[str, str] = {}  # peer -> last rejection reason logged (log each once)
+
+    def update(self, records: Mapping[str, ServerRecord]) -> None:
+        usable = {}
+        for peer_id, record in records.items():
+            if record.state != ServerState.ONLINE:
+                continue
+            reason = self.filter.rejection(peer_id, record)
+            if reason is None:
+                usable[peer_id] = record
+            elif self._logged.get(peer_id) != reason:
+                self._logged[peer_id] = reason
+                logger.info("Not using server ...%s: %s", peer_id[-6:], reason)
+        self.servers = usable
+
+    def views(self, health: Health) -> list[ServerView]:
+        """Routing views: this client's measurements where it has them, else the announced speed, bounded."""
+        peers = list(self.servers)
+        priors = bounded_priors([self.servers[p].throughput for p in peers])
+        views = []
+        for peer_id, prior in zip(peers, priors, strict=True):
+            record = self.servers[peer_id]
+            measured = health.measured(peer_id, prior)
+            latency_s, throughput = (None, prior) if measured is None else measured
+            views.append(ServerView(peer_id, record.start, record.end, throughput, latency_s))
+        return views

@@ -1,0 +1,88 @@
+"""Unit tests of the client's own measurements and of the swarm view: what routing sees of each server."""
+
+import random
+
+import pytest
+
+from swarmlm.client.health import Health
+from swarmlm.client.swarm_view import ServerFilter, SwarmView
+from swarmlm.protocol.messages import PROTOCOL_VERSION
+from swarmlm.swarm.records import ServerRecord, ServerState
+from swarmlm.swarm.routing import find_route
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _record(start: int = 0, end: int = 4, throughput: float = 1000.0, **fields: object) -> ServerRecord:
+    values = dict(state=ServerState.ONLINE, start=start, end=end, throughput=throughput, dtype="float32")
+    values.update({"fingerprint": "fp", **fields})
+    return ServerRecord(**values)
+
+
+def test_fit_reproduces_measured_times_and_learns_the_slope() -> None:
+    health = Health(1.0, 60.0)
+    for _ in range(20):
+        health.record_success("a", 0.010 + 2 * 0.001, work=2)  # 10 ms per call + 1 ms per block-token
+        health.record_success("a", 0.010 + 200 * 0.001, work=200)
+    latency, throughput = health.measured("a", prior_throughput=1e9)
+    assert latency == pytest.approx(0.010, rel=0.05) and throughput == pytest.approx(1000.0, rel=0.05)
+    assert health.measured("never-called", 1000.0) is None
+
+
+def test_same_sized_calls_keep_their_measured_total_whatever_the_prior() -> None:
+    health = Health(1.0, 60.0)
+    for _ in range(5):
+        health.record_success("liar", 0.5, work=4)
+    for prior in (1.0, 1000.0, 1e12):
+        latency, throughput = health.measured("liar", prior)
+        assert latency + 4 / throughput == pytest.approx(0.5, rel=1e-6) or latency == 0.0
+
+
+def test_an_absurd_announcement_does_not_take_routes_once_measured() -> None:
+    # "fast" announces an absurd throughput but is slow in fact; "honest" announces and delivers 1000 tokens/s
+    view = SwarmView(ServerFilter.of("fp", DTYPES))
+    view.update({"fast": _record(throughput=1e12), "honest": _record(throughput=1000.0)})
+    health = Health(1.0, 60.0)
+    rng = random.Random(0)
+    # before measuring, the claim counts for at most MAX_PRIOR_FACTOR x the median: a bounded advantage
+    assert find_route(view.views(health), 0, 4, tokens=8, rng=rng)[0].peer_id == "fast"
+    health.record_success("fast", 2.0, work=4 * 8)  # measured by the client: 2 s per call
+    health.record_success("honest", 0.05, work=4 * 8)
+    for tokens in (1, 8, 64):
+        assert find_route(view.views(health), 0, 4, tokens=tokens, rng=rng)[0].peer_id == "honest"
+
+
+def test_bans_double_and_clear_on_success() -> None:
+    health = Health(1.0, 3.0)
+    assert [health.ban("a") for _ in range(4)] == [1.0, 2.0, 3.0, 3.0]
+    assert health.banned() == {"a"} and health.failed("a")
+    health.record_success("a", 0.1, work=1)
+    assert health.banned() == set() and not health.failed("a")
+
+
+def test_swarm_view_uses_only_acceptable_servers() -> None:
+    records = {
+        "good": _record(),
+        "other-model": _record(fingerprint="another"),
+        "old-protocol": _record(protocol_version=PROTOCOL_VERSION + 1),
+        "int8": _record(dtype="int8"),
+        "offline": _record(state=ServerState.OFFLINE),
+        "blocked": _record(),
+    }
+    view = SwarmView(ServerFilter.of("fp", DTYPES, blocked=["blocked"]))
+    view.update(records)
+    assert set(view.servers) == {"good"}
+    allow = SwarmView(ServerFilter.of("fp", DTYPES, allowed=["blocked"]))
+    allow.update(records)
+    assert set(allow.servers) == {"blocked"}
+    only_bf16 = SwarmView(ServerFilter.of("fp", ("bfloat16",)))
+    only_bf16.update(records)
+    assert only_bf16.servers == {}
+
+
+def test_records_reject_unparseable_or_absurd_fields() -> None:
+    with pytest.raises(ValueError):
+        _record(addrs=("not a multiaddr",))
+    with pytest.raises(ValueError):
+        _record(throughput=float("inf"))
+    assert _record(addrs=("/ip4/127.0.0.1/tcp/5/p2p/12D3KooWDf9GRMVkcnVvVHdchPAgxFQeyJ36RABKeb3P1LGtMwje",)).addrs
