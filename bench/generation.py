@@ -75,7 +75,7 @@ def recovery_time(model: torch.nn.Module, swarm: LocalSwarm, ids: torch.Tensor, 
     """Extra delay of the token after a SIGKILL of the last span's server, over the median inter-token gap."""
 
     def kill_last_span() -> None:
-        session = model._session.session
+        session = model.active_session
         peer = session._spans[-1].span.peer_id
         swarm.kill(next(s for s in swarm.servers if s.peer_id == peer))
 

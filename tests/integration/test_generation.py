@@ -127,7 +127,7 @@ class KillAfterTokens:
 
 def kill_server_of(model: torch.nn.Module, swarm: LocalSwarm, block: int) -> str:
     """SIGKILL the server that the model's open inference session uses for `block`; return its peer id."""
-    session = model._session.session
+    session = model.active_session
     peer = next(s.span.peer_id for s in session._spans if s.span.start <= block < s.span.end)
     swarm.kill(next(server for server in swarm.servers if server.peer_id == peer))
     return peer
@@ -143,7 +143,7 @@ def test_sigkill_mid_prefill_and_mid_decode_changes_nothing(smollm_dir, referenc
 
         def kill_when_open() -> None:
             # the long prompt's prefill keeps the first span busy: its successor dies before the prefill reaches it
-            while model._session is None or not model._session.session._spans:
+            while (session := model.active_session) is None or not session._spans:
                 time.sleep(0.005)
             killed.append(kill_server_of(model, swarm, 15))
 

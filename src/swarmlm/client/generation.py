@@ -1,91 +1,144 @@
-"""Generation through server-side KV caches: inference_session() and a generate() that feeds only new tokens."""
+"""Generation through server-side KV caches: explicit inference sessions; generate() feeds only new tokens."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.utils import ModelOutput
 
 from swarmlm.client.inference import InferenceSession
-from swarmlm.protocol.bundle import SpanTensors
 
 # new tokens generate() makes when neither max_new_tokens nor max_length says otherwise (Hugging Face's default)
 DEFAULT_MAX_NEW_TOKENS = 20
 
 
-class SessionTokens:
-    """An inference session and the token ids it has processed, to feed each forward only the tokens it lacks."""
+def new_tokens(session: InferenceSession, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """(ids the session has not processed, hypo_ids reordering its rows to match input_ids or None, ids processed).
 
-    def __init__(self, session: InferenceSession):
-        self.session = session
-        self.token_ids: torch.Tensor | None = None  # (batch, seen)
-
-    def new_tokens(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, int]:
-        """(ids the session has not seen, hypo_ids reordering its rows to match input_ids or None, seen count)."""
-        if self.token_ids is None:
+    When input_ids holds nothing new, the session is rolled back by one token so that its logits can be recomputed.
+    """
+    if session.position == 0:
+        return input_ids, None, 0
+    seen_ids = session.token_ids
+    if seen_ids is None or session.position != session.prefix_tokens + seen_ids.shape[1]:
+        raise ValueError(
+            f"the session holds {session.position} positions that are not all token ids given to this model "
+            "(stepped by hand, or rolled back into the prompt prefix): open a new session"
+        )
+    seen = seen_ids.shape[1]
+    if input_ids.shape[1] < seen:
+        raise ValueError(f"the session has processed {seen} tokens; give inputs that continue them")
+    if input_ids.shape[1] == seen:  # nothing new: recompute the last token to get its logits
+        seen -= 1
+        session.position -= 1
+        seen_ids = seen_ids[:, :seen]
+        if session.position == 0:
             return input_ids, None, 0
-        seen = self.token_ids.shape[1]
-        if input_ids.shape[1] <= seen:
-            raise ValueError(f"the session has processed {seen} tokens; give inputs that continue them")
-        # each row continues some row the session has seen (beam search reorders and duplicates rows)
-        same = (input_ids[:, None, :seen] == self.token_ids[None, :, :]).all(-1)  # (batch, previous batch)
-        if not same.any(-1).all():
-            raise ValueError("the inputs do not continue this inference session's tokens: open a new session")
-        hypo_ids = same.int().argmax(-1)
-        identity = torch.equal(hypo_ids, torch.arange(len(hypo_ids)))
-        return input_ids[:, seen:], None if identity else hypo_ids, seen
+    # each row continues some row the session has seen (beam search reorders and duplicates rows)
+    same = (input_ids[:, None, :seen] == seen_ids[None, :, :]).all(-1)  # (batch, previous batch)
+    if not same.any(-1).all():
+        raise ValueError("the inputs do not continue this inference session's tokens: open a new session")
+    hypo_ids = same.int().argmax(-1)
+    identity = seen == 0 or torch.equal(hypo_ids, torch.arange(len(hypo_ids)))
+    return input_ids[:, seen:], None if identity else hypo_ids, seen
+
+
+def _continues(inputs: torch.Tensor, previous: torch.Tensor) -> bool:
+    """Whether inputs are a whole sequence that starts with the session's previous output (Hugging Face style)."""
+    return (
+        inputs.shape[0] == previous.shape[0]
+        and inputs.shape[1] >= previous.shape[1]
+        and torch.equal(inputs[:, : previous.shape[1]], previous)
+    )
 
 
 class RemoteGenerationMixin:
     """Hugging Face generate() on top of InferenceSession; mixed into the distributed causal LM classes."""
 
-    _session: SessionTokens | None = None
+    _active_sessions: list[InferenceSession]
 
-    @contextlib.contextmanager
-    def inference_session(self, max_length: int) -> Iterator[InferenceSession]:
-        """A session holding up to max_length tokens (prompt included); generate() inside it continues it."""
-        if self._session is not None:
-            raise RuntimeError("an inference session is already open on this model")
+    def inference_session(self, max_length: int) -> InferenceSession:
+        """A session over all blocks holding up to max_length tokens (prompt included). generate(session=...) uses
+        it; so does generate() inside `with model.inference_session(...)`. model(...) never does."""
         blocks = self.model.layers
         prefix = 0 if self.prompt_tuning is None else self.prompt_tuning.pre_seq_len
-        session = InferenceSession(blocks.client.manager, blocks.start, blocks.end, max_length + prefix)
-        self._session = SessionTokens(session)
-        try:
-            yield session
-        finally:
-            self._session = None
-            blocks.client.loop.run(session.close())
+        session = blocks.inference_session(max_length + prefix, active=self._active_sessions)
+        session.prefix_tokens = prefix
+        return session
 
-    def generate(self, inputs: torch.Tensor | None = None, *args: Any, **kwargs: Any) -> Any:
-        """transformers' generate(); the KV caches live on the servers, in this model's (or a new) session."""
+    @property
+    def active_session(self) -> InferenceSession | None:
+        """The innermost session of this model open in a `with` block (generate()'s own one while it runs)."""
+        return self._active_sessions[-1] if self._active_sessions else None
+
+    def generate(
+        self, inputs: torch.Tensor | None = None, *args: Any, session: InferenceSession | None = None, **kwargs: Any
+    ) -> Any:
+        """transformers' generate() with the KV caches on the servers, in `session`, the active session, or a new one.
+
+        In a session that has generated before, inputs=None continues its last output, and inputs that do not
+        start with that output are new tokens appended to it; then only what is new is returned (as in Petals).
+        """
         kwargs["use_cache"] = False  # no local cache: each forward gets the whole sequence, and sends what is new
-        if self._session is not None:
-            return super().generate(inputs, *args, **kwargs)
-        input_ids = inputs if inputs is not None else kwargs.get("input_ids")
-        if input_ids is None:
+        if inputs is None:
+            inputs = kwargs.pop("input_ids", None)
+        session = session if session is not None else self.active_session
+        if session is not None:
+            return self._generate_in(session, inputs, args, kwargs)
+        if inputs is None:
             raise ValueError("generate() needs input_ids")
-        config = self.generation_config
-        new_tokens = kwargs.get("max_new_tokens") or config.max_new_tokens
-        if new_tokens is None and kwargs.get("max_length"):
-            new_tokens = kwargs["max_length"] - input_ids.shape[1]
-        max_length = input_ids.shape[1] + (new_tokens or DEFAULT_MAX_NEW_TOKENS)
-        with self.inference_session(max_length=max_length):
-            return super().generate(inputs, *args, **kwargs)
+        new = kwargs.get("max_new_tokens") or self.generation_config.max_new_tokens
+        if new is None and kwargs.get("max_length"):
+            new = kwargs["max_length"] - inputs.shape[1]
+        with self.inference_session(max_length=inputs.shape[1] + (new or DEFAULT_MAX_NEW_TOKENS)) as session:
+            return self._generate_in(session, inputs, args, kwargs)
+
+    def _generate_in(
+        self, session: InferenceSession, inputs: torch.Tensor | None, args: tuple, kwargs: dict[str, Any]
+    ) -> Any:
+        previous, skipped = session.output_ids, 0
+        if previous is not None and previous.shape[1] > 0 and (inputs is None or not _continues(inputs, previous)):
+            appended = 0 if inputs is None else inputs.shape[1]
+            inputs = previous if inputs is None else torch.cat([previous, inputs.to(previous.device)], dim=1)
+            mask = kwargs.get("attention_mask")
+            if session.output_mask is not None or mask is not None:
+                old = session.output_mask if session.output_mask is not None else torch.ones_like(previous)
+                new = mask if mask is not None else torch.ones(len(previous), appended, dtype=old.dtype)
+                kwargs["attention_mask"] = torch.cat([old, new.to(old.device, old.dtype)], dim=1)
+            skipped = previous.shape[1]
+        elif inputs is None:
+            raise ValueError("generate() needs input_ids: the session has no output to continue")
+        result = super().generate(inputs, *args, session=session, **kwargs)
+        sequences = result.sequences if isinstance(result, ModelOutput) else result
+        session.output_ids, session.output_mask = sequences, None
+        mask = kwargs.get("attention_mask")
+        if mask is not None and len(mask) == len(sequences):
+            extra = torch.ones(len(mask), sequences.shape[1] - mask.shape[1], dtype=mask.dtype, device=mask.device)
+            session.output_mask = torch.cat([mask, extra], dim=1)
+        if skipped:
+            if isinstance(result, ModelOutput):
+                result.sequences = sequences[:, skipped:]
+            else:
+                result = sequences[:, skipped:]
+        return result
 
     def _session_forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None
+        self,
+        session: InferenceSession,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
     ) -> CausalLMOutputWithPast:
-        """A forward inside a session: the tokens it has not seen go through the servers' caches; logits of those."""
-        state = self._session
-        new_ids, hypo_ids, seen = state.new_tokens(input_ids)
+        """A forward through `session`: tokens it has not processed run through the servers' caches; their logits."""
+        new_ids, hypo_ids, seen = new_tokens(session, input_ids)
+        fresh = session.position == 0
         embeds = self.get_submodule(self.family.embed_name)(new_ids)
         if position_ids is not None:
             position_ids = position_ids[:, seen:]
         tuning, prompts = self.prompt_tuning, None
-        if tuning is not None and seen == 0:
+        if tuning is not None and fresh:
             # the first step carries the prompt: its embeddings in front, its deep prompts to the servers
             embeds, attention_mask, position_ids = tuning.extend(embeds, attention_mask, position_ids)
             prompts = None if tuning.deep_prompts is None else tuning.deep_prompts.detach()
@@ -95,14 +148,9 @@ class RemoteGenerationMixin:
             position_ids = None if position_ids is None else position_ids + tuning.pre_seq_len
         if attention_mask is not None and bool(attention_mask.all()):
             attention_mask = None
-        inputs = SpanTensors(
-            embeds.detach().cpu(), attention_mask=attention_mask, position_ids=position_ids, hypo_ids=hypo_ids,
-            prompts=prompts,
-        )  # fmt: skip
-        blocks = self.model.layers
-        hidden = blocks.client.loop.run(state.session.step(inputs))
-        state.token_ids = input_ids
+        hidden = session.step(embeds, prompts, hypo_ids, attention_mask=attention_mask, position_ids=position_ids)
+        session.token_ids = input_ids
         hidden = self.get_submodule(self.family.norm_name)(hidden.to(embeds.dtype))
-        if tuning is not None and seen == 0:
+        if tuning is not None and fresh:
             hidden = hidden[:, tuning.pre_seq_len :]
         return CausalLMOutputWithPast(logits=self.get_submodule(self.family.head_name)(hidden))

@@ -8,10 +8,11 @@ from dataclasses import fields
 from typing import Any
 
 import torch
-from transformers import PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from swarmlm.client.generation import RemoteGenerationMixin
+from swarmlm.client.inference import InferenceSession
 from swarmlm.client.prompts import PromptTuning
 from swarmlm.client.remote_sequential import RemoteSequential, SwarmClient
 from swarmlm.config import ClientConfig
@@ -22,6 +23,15 @@ from swarmlm.models.naming import default_dht_prefix
 from swarmlm.models.registry import ModelFamily, get_family
 
 logger = logging.getLogger(__name__)
+
+
+def checkpoint_dtype(config: PretrainedConfig) -> torch.dtype:
+    """The dtype a checkpoint's config names (transformers 5 reads config.json's torch_dtype as dtype); float32
+    when it names none."""
+    named = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(named, str):
+        named = getattr(torch, named, None)
+    return named if isinstance(named, torch.dtype) else torch.float32
 
 
 class DistributedCausalLMMixin(RemoteGenerationMixin):
@@ -35,7 +45,8 @@ class DistributedCausalLMMixin(RemoteGenerationMixin):
         model: str | os.PathLike,
         *,
         initial_peers: list[str] | tuple[str, ...] = (),
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | str = torch.float32,
+        torch_dtype: torch.dtype | str | None = None,
         cache_dir: str | os.PathLike | None = None,
         tuning_mode: str | None = None,
         pre_seq_len: int = 16,
@@ -43,6 +54,7 @@ class DistributedCausalLMMixin(RemoteGenerationMixin):
     ) -> PreTrainedModel:
         """Load the local parts of `model` (a name, .gguf or HF folder) and connect to the swarm serving its blocks.
 
+        dtype is that of the local parts ("auto": the checkpoint's); torch_dtype is its older name, as in Petals.
         tuning_mode "ptune" or "deep_ptune" adds pre_seq_len trainable prompts (the only trainable parameters).
         client_options are ClientConfig fields (dht_prefix, max_tokens_per_request, request_timeout_s, ...).
         """
@@ -52,6 +64,9 @@ class DistributedCausalLMMixin(RemoteGenerationMixin):
             raise TypeError(f"unknown option(s) {sorted(unknown)}; client options are {sorted(known)}")
         model_dir = resolve_model(model, cache_dir=cache_dir)
         config = load_config(model_dir)
+        dtype = checkpoint_dtype(config) if (torch_dtype or dtype) == "auto" else (torch_dtype or dtype)
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype or 'auto', got {dtype!r}")
         family = get_family(config)
         distributed_cls = cls if hasattr(cls, "family") else distributed_class(family)
         if distributed_cls.family is not family:
@@ -62,6 +77,7 @@ class DistributedCausalLMMixin(RemoteGenerationMixin):
             instance = distributed_cls(config)
         instance._load_local_parts(model_dir, dtype)
         instance.prompt_tuning = None
+        instance._active_sessions = []
         if tuning_mode is not None:
             instance.prompt_tuning = PromptTuning(
                 tuning_mode, pre_seq_len, config.hidden_size, config.num_hidden_layers, config.initializer_range
@@ -96,14 +112,17 @@ class DistributedCausalLMMixin(RemoteGenerationMixin):
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        session: InferenceSession | None = None,
         **kwargs: Any,
     ) -> CausalLMOutputWithPast:
+        """Logits (and loss with labels) of the whole sequence through the swarm. With `session`, only the tokens the
+        session has not processed run, through its servers' caches, and the logits are those of the new tokens."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("give exactly one of input_ids and inputs_embeds")
-        if self._session is not None:
+        if session is not None:
             if input_ids is None or labels is not None:
-                raise ValueError("inside an inference session, forward takes input_ids and no labels")
-            return self._session_forward(input_ids, attention_mask, position_ids)
+                raise ValueError("a forward through an inference session takes input_ids and no labels")
+            return self._session_forward(session, input_ids, attention_mask, position_ids)
         if inputs_embeds is None:
             inputs_embeds = self.get_submodule(self.family.embed_name)(input_ids)
         if attention_mask is not None and bool(attention_mask.all()):

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from swarmlm.client.chain import ChainArgs, Hop, run_backward_chain, run_forward_chain
+from swarmlm.client.inference import InferenceSession
 from swarmlm.client.loop import LoopThread
 from swarmlm.client.sequence_manager import SequenceManager
 from swarmlm.config import ClientConfig
@@ -70,6 +71,13 @@ class RemoteSequential(nn.Module):
         if step != 1 or first >= last:
             raise IndexError("RemoteSequential slices must be contiguous and non-empty")
         return RemoteSequential(self.client, self.start + first, self.start + last)
+
+    def inference_session(self, max_length: int, *, active: list[InferenceSession] | None = None) -> InferenceSession:
+        """A session over this slice's blocks holding up to max_length tokens: `.step(hidden)` runs new tokens
+        through the servers' KV caches. Use it as a context manager, or close() it."""
+        if self.client.closed:
+            raise SessionClosedError("this model's swarm connection is closed")
+        return InferenceSession(self.client.manager, self.client.loop, self.start, self.end, max_length, active)
 
     def extra_repr(self) -> str:
         return f"blocks={self.start}:{self.end}"
