@@ -6,6 +6,7 @@ import asyncio
 import logging
 import random
 import time
+from collections.abc import Collection
 
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
@@ -33,6 +34,7 @@ class SequenceManager:
         self.p2p: P2P | None = None
         self.servers: dict[str, ServerRecord] = {}
         self._bans: dict[str, tuple[float, int]] = {}  # peer -> (banned until, consecutive failures)
+        self._cool_downs: dict[str, float] = {}  # peer -> avoided until (busy: not a failure, never escalates)
         self._latency: dict[str, float] = {}  # peer -> smoothed round trip in seconds
         self._connected: set[str] = set()
         self._rng = random.Random()
@@ -74,13 +76,32 @@ class SequenceManager:
 
     def _banned(self) -> set[str]:
         now = time.monotonic()
-        return {peer for peer, (until, _) in self._bans.items() if until > now}
+        banned = {peer for peer, (until, _) in self._bans.items() if until > now}
+        return banned | {peer for peer, until in self._cool_downs.items() if until > now}
 
-    async def make_route(self, start: int, end: int, tokens: int = 1) -> list[RouteSpan]:
-        """A route over blocks [start, end); waits for missing blocks up to the configured timeout."""
+    def _excluded(self, tokens: int, avoid: Collection[str]) -> set[str]:
+        """Servers a route for `tokens` tokens must not use: banned, cooling down, avoided, or announcing a
+        smaller per-request limit."""
+        too_small = {peer for peer in self.servers if (self.max_tokens_of(peer) or tokens) < tokens}
+        return self._banned() | set(avoid) | too_small
+
+    def max_tokens_of(self, peer_id: str) -> int | None:
+        """The per-request token limit a server announces, if it announces one."""
+        # read defensively: servers announce limits only from a newer record version on
+        limit = getattr(self.servers.get(peer_id), "max_tokens_per_request", None)
+        return limit if isinstance(limit, int) and limit > 0 else None
+
+    def can_route(self, start: int, end: int, tokens: int = 1, avoid: Collection[str] = ()) -> bool:
+        """Whether a route over [start, end) exists right now without the excluded servers (never waits)."""
+        excluded = self._excluded(tokens, avoid)
+        return find_route(self._views(), start, end, banned=excluded, tokens=tokens) is not None
+
+    async def make_route(self, start: int, end: int, tokens: int = 1, avoid: Collection[str] = ()) -> list[RouteSpan]:
+        """A route over blocks [start, end) for `tokens` tokens, without the servers in `avoid`; waits for missing
+        blocks up to the configured timeout."""
         began = time.monotonic()
         while True:
-            banned = self._banned()
+            banned = self._excluded(tokens, avoid)
             route = find_route(self._views(), start, end, banned=banned, tokens=tokens, rng=self._rng)
             if route is not None:
                 return route
@@ -99,8 +120,17 @@ class SequenceManager:
         self._connected.discard(peer_id)
         logger.warning("Server ...%s failed (%s); avoiding it for %.1f s", peer_id[-6:], reason, duration)
 
+    def cool_down(self, peer_id: str, reason: object) -> None:
+        """Avoid a busy server briefly; unlike ban() this is no failure of it and never grows."""
+        self._cool_downs[peer_id] = time.monotonic() + self.config.ban_base_s
+        logger.info("Server ...%s is busy (%s); avoiding it for %.1f s", peer_id[-6:], reason, self.config.ban_base_s)
+
     def record_success(self, peer_id: str, round_trip_s: float) -> None:
         self._bans.pop(peer_id, None)
+        self._cool_downs.pop(peer_id, None)
+        self.record_latency(peer_id, round_trip_s)
+
+    def record_latency(self, peer_id: str, round_trip_s: float) -> None:
         old = self._latency.get(peer_id)
         self._latency[peer_id] = round_trip_s if old is None else old + LATENCY_EMA_WEIGHT * (round_trip_s - old)
 
