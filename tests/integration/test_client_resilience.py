@@ -202,3 +202,27 @@ def test_sub_batches_too_large_for_every_server_are_split(tiny_model_dir: Path, 
     with connected_model(tiny_model_dir, swarm) as model:
         assert_equals_local(model, reference)
         assert failures_of(model, hostile.peer_id) == 0
+
+
+def local_blocks(reference: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    positions = torch.arange(hidden.shape[1]).unsqueeze(0).expand(hidden.shape[0], -1)
+    rotary = reference.model.rotary_emb(hidden, positions)
+    for layer in reference.model.layers:
+        hidden = layer(hidden, position_embeddings=rotary, position_ids=positions)
+    return hidden
+
+
+def test_backward_reply_with_nan_is_recomputed_elsewhere(tiny_model_dir: Path, reference, mixed) -> None:
+    swarm, hostile = mixed
+    generator = torch.Generator().manual_seed(2)
+    hidden, weights = torch.randn(2, 5, 64, generator=generator), torch.randn(2, 5, 64, generator=generator)
+    local = hidden.clone().requires_grad_()
+    (local_blocks(reference, local) * weights).sum().backward()
+    hostile.set("honest")  # the forward goes through the hostile server, its backward then lies
+    with connected_model(tiny_model_dir, swarm) as model:
+        remote = hidden.clone().requires_grad_()
+        output = model.model.layers(remote)
+        hostile.set("nan")
+        (output * weights).sum().backward()
+        assert failures_of(model, hostile.peer_id) == 1
+    assert (remote.grad - local.grad).abs().max().item() <= 1e-5 * local.grad.abs().max().item() + 1e-7
