@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass, replace
 
 import torch
 
 from swarmlm.client.sequence_manager import SequenceManager
-from swarmlm.client.span_call import call_span
+from swarmlm.client.span_call import Expected, RerouteError, call_span
 from swarmlm.errors import BadRequestError, RemoteCallError
 from swarmlm.protocol.bundle import SpanTensors
 from swarmlm.protocol.messages import BackwardRequest, ForwardRequest
@@ -39,19 +40,54 @@ class ChainArgs:
 
 
 class RetryBudget:
-    """The one retry policy: bad requests fail at once; server failures ban the server, then route around it."""
+    """The one retry policy of a request (forward, backward or an inference step), bounded by max_retries calls.
+
+    - "busy": the server has no room now. It cools down briefly on this client (no failure of it, never escalating)
+      and the request goes elsewhere, or back to it once the cool-down is over.
+    - "too_large": the request exceeds this server's own limits: it is avoided for the rest of this request. If no
+      other server can run the span, the RerouteError is raised (RemoteSequential then splits the sub-batch).
+    - "bad_request" from one server: maybe that server is wrong, so another server is asked. The request is the
+      user's error (BadRequestError) only once two different servers refused it, or when no other server can run
+      the span (then that server's message is raised).
+    - anything else (server errors, transport errors, timeouts, malformed or non-finite replies): the server is banned
+      with exponential backoff and the request is re-routed.
+    """
 
     def __init__(self, manager: SequenceManager):
         self.manager, self.failures = manager, 0
+        self.avoid: set[str] = set()  # servers this request does not go to again
+        self._refused_by: set[str] = set()  # servers that called this request bad
 
-    def failed(self, span: RouteSpan, error: RemoteCallError) -> None:
-        if isinstance(error, BadRequestError):
-            raise error
+    async def route(self, start: int, end: int, tokens: int) -> list[RouteSpan]:
+        """A route over [start, end) for `tokens` tokens, without the servers this request avoids."""
+        config = self.manager.config
+        try:
+            # make_route gives up after missing_blocks_timeout_s; this deadline also bounds its DHT reads
+            async with asyncio.timeout(config.missing_blocks_timeout_s + config.request_timeout_s):
+                return await self.manager.make_route(start, end, tokens, avoid=self.avoid)
+        except TimeoutError as e:
+            raise RemoteCallError(f"finding a route over blocks {start}:{end} timed out") from e
+
+    def failed(self, span: RouteSpan, error: RemoteCallError, tokens: int = 1) -> None:
+        """Account for a failed call of `span` and raise when the request cannot go on."""
         self.failures += 1
-        self.manager.ban(span.peer_id, error)
+        peer = span.peer_id
+        if isinstance(error, BadRequestError):
+            self._refused_by.add(peer)
+            self.avoid.add(peer)
+            if len(self._refused_by) >= 2 or not self.manager.can_route(span.start, span.end, tokens, self.avoid):
+                raise error
+        elif isinstance(error, RerouteError) and error.kind == "too_large":
+            self.avoid.add(peer)
+            if not self.manager.can_route(span.start, span.end, tokens, self.avoid):
+                raise error
+        elif isinstance(error, RerouteError):
+            self.manager.cool_down(peer, error)
+        else:
+            self.manager.ban(peer, error)
         if self.failures > self.manager.config.max_retries:
             raise RemoteCallError(f"giving up after {self.failures} failed calls; last: {error}") from error
-        logger.info("Re-routing blocks %d:%d after failure %d", span.start, span.end, self.failures)
+        logger.info("Re-routing blocks %d:%d after failure %d: %s", span.start, span.end, self.failures, error)
 
 
 async def _call(
@@ -61,27 +97,34 @@ async def _call(
     bundle = args.for_span(span, hidden, grad)
     request_type = ForwardRequest if grad is None else BackwardRequest
     header = request_type(start_block=span.start, end_block=span.end, tensors=bundle.names())
-    _, outputs = await call_span(manager, span.peer_id, f"rpc_{header.kind}", header, bundle.tensors())
-    expected = [hidden.shape] + ([bundle.prompts.shape] if grad is not None and bundle.prompts is not None else [])
-    if [o.shape for o in outputs] != expected:
-        raise RemoteCallError(f"{header.kind} reply has shapes {[tuple(o.shape) for o in outputs]}", span.peer_id)
+    # the reply: hidden states (or their gradient) like the input, and in backward the prompts' gradient
+    expected = [Expected.like(hidden)]
+    if grad is not None and bundle.prompts is not None:
+        expected.append(Expected.like(bundle.prompts))
+    _, outputs = await call_span(manager, span.peer_id, f"rpc_{header.kind}", header, bundle.tensors(), expected)
     return outputs
 
 
 async def run_forward_chain(
-    manager: SequenceManager, hidden: torch.Tensor, start: int, end: int, args: ChainArgs
+    manager: SequenceManager,
+    hidden: torch.Tensor,
+    start: int,
+    end: int,
+    args: ChainArgs,
+    retry: RetryBudget | None = None,
 ) -> tuple[torch.Tensor, list[Hop]]:
     """Hidden states after blocks [start, end) from `hidden` (args.inputs.hidden, or a hop's saved input when a
-    backward recomputes a span), and the hops that produced them (with each hop's inputs)."""
-    retry, hops, position = RetryBudget(manager), [], start
+    backward recomputes a span, under the backward's retry budget), and the hops that produced them (with each
+    hop's inputs)."""
+    retry, hops, position = retry or RetryBudget(manager), [], start
     tokens = hidden.shape[0] * hidden.shape[1]
     while position < end:
-        route = await manager.make_route(position, end, tokens)
+        route = await retry.route(position, end, tokens)
         for span in route:
             try:
                 (out,) = await _call(manager, span, hidden, args, grad=None)
             except RemoteCallError as e:
-                retry.failed(span, e)
+                retry.failed(span, e, tokens)
                 break  # re-route from the failed block on
             hops.append(Hop(span, hidden))
             hidden, position = out, span.end
@@ -103,8 +146,8 @@ async def run_backward_chain(
         try:
             grads = await _call(manager, hop.span, hop.inputs, args, grad=grad)
         except RemoteCallError as e:
-            retry.failed(hop.span, e)
-            _, replacement = await run_forward_chain(manager, hop.inputs, hop.span.start, hop.span.end, args)
+            retry.failed(hop.span, e, hop.inputs.shape[0] * hop.inputs.shape[1])
+            _, replacement = await run_forward_chain(manager, hop.inputs, hop.span.start, hop.span.end, args, retry)
             pending.extend(replacement)
             continue
         grad = grads[0]

@@ -67,6 +67,7 @@ class Health:
         self.ban_base_s, self.ban_max_s = ban_base_s, ban_max_s
         self._bans: dict[str, tuple[float, int]] = {}  # peer -> (banned until, consecutive failures)
         self._stats: dict[str, CallStats] = {}
+        self._cool_downs: dict[str, float] = {}  # peer -> avoided until (busy: not a failure, never escalates)
 
     def ban(self, peer_id: str) -> float:
         """Ban a failed server; each further failure doubles the ban (up to ban_max_s). Returns its length in s."""
@@ -75,13 +76,20 @@ class Health:
         self._bans[peer_id] = (time.monotonic() + duration, failures)
         return duration
 
+    def cool_down(self, peer_id: str, seconds: float) -> None:
+        """Avoid a busy server for `seconds`, without counting a failure against it."""
+        self._cool_downs[peer_id] = time.monotonic() + seconds
+
     def banned(self) -> set[str]:
+        """Servers routes must avoid now: banned after failures, or cooling down after a busy reply."""
         now = time.monotonic()
-        return {peer for peer, (until, _) in self._bans.items() if until > now}
+        banned = {peer for peer, (until, _) in self._bans.items() if until > now}
+        return banned | {peer for peer, until in self._cool_downs.items() if until > now}
 
     def record_success(self, peer_id: str, seconds: float, work: float) -> None:
         """A call of `work` block-tokens to `peer_id` took `seconds` in total, as measured by this client."""
         self._bans.pop(peer_id, None)
+        self._cool_downs.pop(peer_id, None)
         if not (math.isfinite(seconds) and math.isfinite(work)) or seconds < 0 or work < 0:
             return
         stats = self._stats.get(peer_id)

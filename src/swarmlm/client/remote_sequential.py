@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Coroutine, Iterable, Sequence
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -12,11 +14,16 @@ from swarmlm.client.chain import ChainArgs, Hop, run_backward_chain, run_forward
 from swarmlm.client.inference import InferenceSession
 from swarmlm.client.loop import LoopThread
 from swarmlm.client.sequence_manager import SequenceManager
+from swarmlm.client.span_call import RerouteError
 from swarmlm.config import ClientConfig
 from swarmlm.errors import SessionClosedError
 from swarmlm.protocol.bundle import SpanTensors
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+# a sub-batch: its row range in the batch and what its chain carries
+Piece = tuple[int, int, ChainArgs]
 
 
 class SwarmClient:
@@ -46,6 +53,31 @@ def split_batch(batch: int, seq: int, max_tokens: int) -> list[tuple[int, int]]:
     """(begin, end) row ranges of sub-batches holding at most max_tokens tokens (at least one row each)."""
     rows = max(1, max_tokens // max(seq, 1))
     return [(i, min(i + rows, batch)) for i in range(0, batch, rows)]
+
+
+def fitting_tokens(spans: Iterable[tuple[int, int, int | None]], start: int, end: int) -> int | None:
+    """The largest request that some server of every block of [start, end) accepts, from (start, end, announced
+    limit or None for none announced) of each server; None when no block is limited (or none is served)."""
+    best: dict[int, float] = {}
+    for lo, hi, limit in spans:
+        for block in range(max(lo, start), min(hi, end)):
+            best[block] = max(best.get(block, 0), float("inf") if limit is None else limit)
+    smallest = min(best.values(), default=float("inf"))
+    return None if smallest == float("inf") else int(smallest)
+
+
+async def gather_or_cancel(coroutines: Iterable[Coroutine[Any, Any, T]]) -> list[T]:
+    """The results of all coroutines, run concurrently; when one raises, the others are cancelled (their streams
+    closed, their servers freed) and that error is raised."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(coroutine) for coroutine in coroutines]
+    except BaseExceptionGroup as errors:
+        first: BaseException = errors
+        while isinstance(first, BaseExceptionGroup):
+            first = first.exceptions[0]
+        raise first from None  # the group only wraps it: the caller sees the error itself
+    return [task.result() for task in tasks]
 
 
 class RemoteSequential(nn.Module):
@@ -118,30 +150,53 @@ class RemoteSequential(nn.Module):
         mask: torch.Tensor | None,
         positions: torch.Tensor | None,
         prompts: torch.Tensor | None,
-    ) -> list[tuple[int, int, ChainArgs]]:
-        """The sub-batches (row ranges) of a batch and the arguments each one's chain carries."""
+    ) -> list[Piece]:
+        """The sub-batches (row ranges) of a batch and the arguments each one's chain carries: at most the client's
+        max_tokens_per_request tokens each, and no more than the servers of every block announce they accept."""
+        manager = self.client.manager
+        announced = [(r.start, r.end, manager.max_tokens_of(peer)) for peer, r in manager.servers.items()]
+        limit = fitting_tokens(announced, self.start, self.end)
+        max_tokens = self.client.config.max_tokens_per_request
+        max_tokens = max_tokens if limit is None else min(max_tokens, limit)
         inputs = SpanTensors(hidden, attention_mask=mask, position_ids=positions, prompts=prompts)
         return [
             (begin, end, ChainArgs(inputs.select_rows(begin, end), prompts_start=self.start))
-            for begin, end in split_batch(hidden.shape[0], hidden.shape[1], self.client.config.max_tokens_per_request)
+            for begin, end in split_batch(hidden.shape[0], hidden.shape[1], max_tokens)
         ]
 
-    async def _forward(self, pieces: list) -> tuple[torch.Tensor, list[list[Hop]]]:
-        manager = self.client.manager
-        results = await asyncio.gather(
-            *(run_forward_chain(manager, args.inputs.hidden, self.start, self.end, args) for _, _, args in pieces)
-        )
-        return torch.cat([out for out, _ in results], dim=0), [hops for _, hops in results]
+    async def _forward(self, pieces: list[Piece]) -> tuple[torch.Tensor, list[Piece], list[list[Hop]]]:
+        """The output of all sub-batches, and the sub-batches as they ran (split further where servers refused
+        them as too large) with each one's hops."""
+        results = await gather_or_cancel(self._forward_piece(piece) for piece in pieces)
+        done = [result for piece_results in results for result in piece_results]
+        output = torch.cat([out for _, out, _ in done], dim=0)
+        return output, [piece for piece, _, _ in done], [hops for _, _, hops in done]
+
+    async def _forward_piece(self, piece: Piece) -> list[tuple[Piece, torch.Tensor, list[Hop]]]:
+        begin, end, args = piece
+        try:
+            out, hops = await run_forward_chain(self.client.manager, args.inputs.hidden, self.start, self.end, args)
+        except RerouteError as e:
+            if e.kind != "too_large" or end - begin < 2:
+                raise
+            # no server takes this many tokens for some span: halve the sub-batch
+            middle = (end - begin) // 2
+            logger.info("Splitting a sub-batch of %d rows that no server accepts: %s", end - begin, e)
+            halves = [
+                (begin, begin + middle, ChainArgs(args.inputs.select_rows(0, middle), args.prompts_start)),
+                (begin + middle, end, ChainArgs(args.inputs.select_rows(middle, end - begin), args.prompts_start)),
+            ]
+            results = await gather_or_cancel(self._forward_piece(half) for half in halves)
+            return [result for half_results in results for result in half_results]
+        return [(piece, out, hops)]
 
     async def _backward(
-        self, grad: torch.Tensor, pieces: list, hops: list[list[Hop]]
+        self, grad: torch.Tensor, pieces: Sequence[Piece], hops: list[list[Hop]]
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         manager = self.client.manager
-        results = await asyncio.gather(
-            *(
-                run_backward_chain(manager, piece_hops, grad[begin:end], args)
-                for (begin, end, args), piece_hops in zip(pieces, hops, strict=True)
-            )
+        results = await gather_or_cancel(
+            run_backward_chain(manager, piece_hops, grad[begin:end], args)
+            for (begin, end, args), piece_hops in zip(pieces, hops, strict=True)
         )
         grad_hidden = torch.cat([g for g, _ in results], dim=0)
         grad_prompts = [g for _, g in results if g is not None]
@@ -166,7 +221,7 @@ class _RemoteBlocks(torch.autograd.Function):
     ) -> torch.Tensor:
         send_prompts = None if prompts is None else prompts.detach().cpu()
         pieces = blocks._pieces(hidden.detach().cpu(), mask, positions, send_prompts)
-        output, hops = blocks.client.loop.run(blocks._forward(pieces))
+        output, pieces, hops = blocks.client.loop.run(blocks._forward(pieces))
         ctx.blocks, ctx.pieces, ctx.hops = blocks, pieces, hops
         ctx.hidden_meta = (hidden.dtype, hidden.device)
         ctx.prompts_meta = None if prompts is None else (prompts.dtype, prompts.device)

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import random
 import time
+from collections.abc import Collection
 
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
@@ -86,11 +87,28 @@ class SequenceManager:
             await asyncio.sleep(self.config.swarm_refresh_interval_s)
             await self.refresh()
 
-    async def make_route(self, start: int, end: int, tokens: int = 1) -> list[RouteSpan]:
-        """A route over blocks [start, end); waits for missing blocks up to the configured timeout."""
+    def _excluded(self, tokens: int, avoid: Collection[str]) -> set[str]:
+        """Servers a route for `tokens` tokens must not use: banned, cooling down, avoided, or announcing a
+        smaller per-request limit."""
+        too_small = {peer for peer in self.servers if (self.max_tokens_of(peer) or tokens) < tokens}
+        return self.health.banned() | set(avoid) | too_small
+
+    def max_tokens_of(self, peer_id: str) -> int | None:
+        """The per-request token limit a server announces, if it announces one."""
+        limit = getattr(self.servers.get(peer_id), "max_tokens_per_request", None)
+        return limit if isinstance(limit, int) and limit > 0 else None
+
+    def can_route(self, start: int, end: int, tokens: int = 1, avoid: Collection[str] = ()) -> bool:
+        """Whether a route over [start, end) exists right now without the excluded servers (never waits)."""
+        views = self.view.views(self.health)
+        return find_route(views, start, end, banned=self._excluded(tokens, avoid), tokens=tokens) is not None
+
+    async def make_route(self, start: int, end: int, tokens: int = 1, avoid: Collection[str] = ()) -> list[RouteSpan]:
+        """A route over blocks [start, end) for `tokens` tokens, without the servers in `avoid`; waits for missing
+        blocks up to the configured timeout."""
         began = time.monotonic()
         while True:
-            banned, views = self.health.banned(), self.view.views(self.health)
+            banned, views = self._excluded(tokens, avoid), self.view.views(self.health)
             route = find_route(views, start, end, banned=banned, tokens=tokens, rng=self._rng)
             if route is not None:
                 return route
@@ -106,6 +124,11 @@ class SequenceManager:
         duration = self.health.ban(peer_id)
         self._connected.discard(peer_id)
         logger.warning("Server ...%s failed (%s); avoiding it for %.1f s", peer_id[-6:], reason, duration)
+
+    def cool_down(self, peer_id: str, reason: object) -> None:
+        """Avoid a busy server briefly; unlike ban() this is no failure of it and never grows."""
+        self.health.cool_down(peer_id, self.config.ban_base_s)
+        logger.info("Server ...%s is busy (%s); avoiding it for %.1f s", peer_id[-6:], reason, self.config.ban_base_s)
 
     def record_success(self, peer_id: str, round_trip_s: float, work: float = 1.0) -> None:
         """A call to `peer_id` of `work` block-tokens took round_trip_s in total (compute included), by our clock."""

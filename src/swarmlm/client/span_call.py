@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Literal, NamedTuple
 
 import torch
 from hivemind.p2p import P2PDaemonError, P2PHandlerError
@@ -17,8 +18,10 @@ from swarmlm.protocol import service
 from swarmlm.protocol.codec import encode, read_message, read_only_message
 from swarmlm.protocol.messages import ReplyHeader, _Header
 
-# replies are never larger than this (hidden states of the largest request a server accepts, with room to spare)
-MAX_REPLY_BYTES = 1 << 31
+# a reply may carry this many bytes beyond its expected tensors (bf16 travels widened to float32; chunk framing)
+REPLY_SLACK_BYTES = 64 << 10
+# stream close waits at most this long for the server to finish (the session is over for us anyway)
+CLOSE_TIMEOUT_S = 5.0
 # transport failures: the server or the connection is gone
 _TRANSPORT_ERRORS = (P2PDaemonError, P2PHandlerError, ConnectionError, OSError, asyncio.IncompleteReadError)
 
@@ -32,6 +35,41 @@ def call_work(blocks: int, tensors: Sequence[torch.Tensor]) -> int:
     """Blocks x tokens a call asks for: the size against which its measured time is costed."""
     tokens = tensors[0].shape[0] * tensors[0].shape[1] if tensors and tensors[0].dim() >= 2 else 0
     return blocks * tokens
+
+
+class RerouteError(RemoteCallError):
+    """The server cannot take this request now ("busy") or at this size ("too_large"); another server may."""
+
+    def __init__(self, message: str, peer_id: str | None, kind: Literal["busy", "too_large"]):
+        super().__init__(message, peer_id)
+        self.kind = kind
+
+
+class Expected(NamedTuple):
+    """One tensor a reply must carry: the client knows every reply's shapes and dtypes before it asks."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+
+    @classmethod
+    def like(cls, tensor: torch.Tensor) -> Expected:
+        return cls(tensor.shape, tensor.dtype)
+
+
+def reply_bytes(expected: Sequence[Expected]) -> int:
+    """The most tensor bytes a correct reply carries: what the client reads before it calls the reply malformed."""
+    return sum(e.shape.numel() * max(e.dtype.itemsize, 4) for e in expected) + REPLY_SLACK_BYTES
+
+
+def check_outputs(outputs: list[torch.Tensor], expected: Sequence[Expected], method: str, peer_id: str) -> None:
+    """Replies of the wrong shape or dtype, or with NaN/inf, are this server's failure: they never reach the user."""
+    got = [Expected.like(o) for o in outputs]
+    if got != list(expected):
+        shown = [(tuple(e.shape), str(e.dtype)) for e in got]
+        want = [(tuple(e.shape), str(e.dtype)) for e in expected]
+        raise RemoteCallError(f"{method} reply has tensors {shown}, expected {want}", peer_id)
+    if not all(torch.isfinite(o).all() for o in outputs if o.is_floating_point()):
+        raise RemoteCallError(f"{method} reply has non-finite values", peer_id)
 
 
 @contextlib.contextmanager
@@ -55,24 +93,40 @@ def check_reply(
         raise RemoteCallError(f"{method}: the server closed the stream without replying", peer_id)
     reply, outputs = message
     if not reply.ok:
-        error_type = BadRequestError if reply.error_kind == "bad_request" else RemoteCallError
-        raise error_type(f"server refused {method}: {reply.error}", peer_id)
+        text = f"server refused {method}: {reply.error}"
+        if reply.error_kind == "bad_request":
+            raise BadRequestError(text, peer_id)
+        if reply.error_kind in ("busy", "too_large"):
+            raise RerouteError(text, peer_id, reply.error_kind)
+        raise RemoteCallError(text, peer_id)
     return reply, outputs
 
 
 async def call_span(
-    manager: SequenceManager, peer_id: str, method: str, header: _Header, tensors: Sequence[torch.Tensor]
+    manager: SequenceManager,
+    peer_id: str,
+    method: str,
+    header: _Header,
+    tensors: Sequence[torch.Tensor],
+    expected: Sequence[Expected],
 ) -> tuple[ReplyHeader, list[torch.Tensor]]:
-    """Send one request to `method` on `peer_id` and return the reply; raises BadRequestError when the server
-    rejected the request as invalid and RemoteCallError for any failure of the server or the connection."""
+    """Send one request to `method` on `peer_id` and return the reply, which must carry `expected` tensors.
+
+    Raises BadRequestError when the server rejected the request as invalid, RerouteError when it is busy or the
+    request too large for it, and RemoteCallError for any other failure of the server, its reply or the connection.
+    Connecting, sending, reading (at most the expected bytes) and closing the stream share one deadline.
+    """
     began = time.perf_counter()
     timeout_s = manager.config.request_timeout_s
     with remote_errors(method, peer_id, timeout_s):
         async with asyncio.timeout(timeout_s):
             peer = await manager.ensure_connected(peer_id)
             replies = await getattr(service.stub(manager.p2p, peer), method)(_as_stream(header, tensors))
-            message = await read_only_message(replies, ReplyHeader, max_bytes=MAX_REPLY_BYTES)
+            # aclosing: a cancelled or failed read still closes the stream, so the server stops working for us
+            async with contextlib.aclosing(replies):
+                message = await read_only_message(replies, ReplyHeader, max_bytes=reply_bytes(expected))
     reply, outputs = check_reply(message, method, peer_id)
+    check_outputs(outputs, expected, method, peer_id)
     # the whole time by our clock, compute included: the compute time a server reports is its claim, not a measure
     blocks = getattr(header, "end_block", 0) - getattr(header, "start_block", 0)
     manager.record_success(peer_id, time.perf_counter() - began, call_work(blocks, tensors))
@@ -92,11 +146,17 @@ class SpanStream:
         while (part := await self._queue.get()) is not None:
             yield part
 
-    async def exchange(self, header: _Header, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    async def exchange(
+        self, header: _Header, tensors: Sequence[torch.Tensor], expected: Sequence[Expected] | None = None
+    ) -> list[torch.Tensor]:
+        """Send one message and return its reply's tensors: by default those of a session's replies (the output
+        hidden states, shaped like the input hidden states; none for a message without tensors)."""
+        if expected is None:
+            expected = [Expected.like(tensors[0])] if tensors else []
+        if hasattr(header, "end_block"):  # the opening message: the session's blocks, to cost its steps
+            self._blocks = header.end_block - header.start_block
         began = time.perf_counter()
         timeout_s = self.manager.config.request_timeout_s
-        if hasattr(header, "end_block"):
-            self._blocks = header.end_block - header.start_block
         with remote_errors(self.method, self.peer_id, timeout_s):
             async with asyncio.timeout(timeout_s):
                 if self._replies is None:
@@ -105,8 +165,9 @@ class SpanStream:
                     self._replies = await getattr(stub, self.method)(self._requests())
                 for part in encode(header, tensors, runtime_pb2.ExpertRequest):
                     self._queue.put_nowait(part)
-                message = await read_message(self._replies, ReplyHeader, max_bytes=MAX_REPLY_BYTES)
+                message = await read_message(self._replies, ReplyHeader, max_bytes=reply_bytes(expected))
         _, outputs = check_reply(message, self.method, self.peer_id)
+        check_outputs(outputs, expected, self.method, self.peer_id)
         self.manager.record_success(self.peer_id, time.perf_counter() - began, call_work(self._blocks, tensors))
         return outputs
 
@@ -114,8 +175,10 @@ class SpanStream:
         """End the stream (the server frees the session) and wait briefly for the server to finish it."""
         self._queue.put_nowait(None)
         if self._replies is not None:
+            replies, self._replies = self._replies, None
             # best effort: the session is over for us whatever the server says now
             with contextlib.suppress(Exception):
-                async with asyncio.timeout(5):
-                    async for _ in self._replies:
-                        pass
+                async with asyncio.timeout(min(CLOSE_TIMEOUT_S, self.manager.config.request_timeout_s)):
+                    async with contextlib.aclosing(replies):
+                        async for _ in replies:
+                            pass
