@@ -154,7 +154,7 @@ def test_busy_or_too_large_server_is_routed_around_not_banned(
         manager = manager_of(model)
         assert failures_of(model, hostile.peer_id) == 0
         time.sleep(manager.config.ban_base_s)  # a busy server cools down this long at most
-        assert hostile.peer_id not in manager._banned()
+        assert hostile.peer_id not in manager.health.banned()
         # once it has room, the same client uses it again (it answered, so it is known to be near)
         hostile.set("honest")
         served = hostile.count(SERVED_LINE)

@@ -90,6 +90,11 @@ class Health:
         """A call of `work` block-tokens to `peer_id` took `seconds` in total, as measured by this client."""
         self._bans.pop(peer_id, None)
         self._cool_downs.pop(peer_id, None)
+        self.observe(peer_id, seconds, work)
+
+    def observe(self, peer_id: str, seconds: float, work: float) -> None:
+        """A call of `work` block-tokens to `peer_id` was answered in `seconds` (work 0: refused as busy, which
+        still tells how near the server is)."""
         if not (math.isfinite(seconds) and math.isfinite(work)) or seconds < 0 or work < 0:
             return
         stats = self._stats.get(peer_id)

@@ -125,12 +125,27 @@ async def call_span(
             # aclosing: a cancelled or failed read still closes the stream, so the server stops working for us
             async with contextlib.aclosing(replies):
                 message = await read_only_message(replies, ReplyHeader, max_bytes=reply_bytes(expected))
-    reply, outputs = check_reply(message, method, peer_id)
+    reply, outputs = _checked(manager, message, method, peer_id, time.perf_counter() - began)
     check_outputs(outputs, expected, method, peer_id)
     # the whole time by our clock, compute included: the compute time a server reports is its claim, not a measure
     blocks = getattr(header, "end_block", 0) - getattr(header, "start_block", 0)
     manager.record_success(peer_id, time.perf_counter() - began, call_work(blocks, tensors))
     return reply, outputs
+
+
+def _checked(
+    manager: SequenceManager,
+    message: tuple[ReplyHeader, list[torch.Tensor]] | None,
+    method: str,
+    peer_id: str,
+    round_trip_s: float,
+) -> tuple[ReplyHeader, list[torch.Tensor]]:
+    try:
+        return check_reply(message, method, peer_id)
+    except RerouteError:
+        # a busy server still answered: its distance is known, so it competes fairly for routes once it has room
+        manager.health.observe(peer_id, round_trip_s, 0)
+        raise
 
 
 class SpanStream:
@@ -166,7 +181,7 @@ class SpanStream:
                 for part in encode(header, tensors, runtime_pb2.ExpertRequest):
                     self._queue.put_nowait(part)
                 message = await read_message(self._replies, ReplyHeader, max_bytes=reply_bytes(expected))
-        _, outputs = check_reply(message, self.method, self.peer_id)
+        _, outputs = _checked(self.manager, message, self.method, self.peer_id, time.perf_counter() - began)
         check_outputs(outputs, expected, self.method, self.peer_id)
         self.manager.record_success(self.peer_id, time.perf_counter() - began, call_work(self._blocks, tensors))
         return outputs
