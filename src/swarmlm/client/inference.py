@@ -232,7 +232,7 @@ class InferenceSession:
         try:
             position = start
             while position < end:
-                for span in await self.manager.make_route(position, end, tokens=batch):
+                for span in await retry.route(position, end, tokens=batch):
                     span_session = _SpanSession(self.manager, span, self.start)
                     try:
                         await span_session.open(batch, self.max_length)
