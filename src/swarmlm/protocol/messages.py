@@ -80,12 +80,13 @@ class ReplyHeader(_Header):
     """The answer to a request: either tensors follow (ok) or an error explains what went wrong.
 
     error_kind "bad_request" means the request itself is invalid (another server would reject it too);
-    "server" means this server failed to serve it, "busy" that it has no room now (the client may retry elsewhere).
+    "server" means this server failed to serve it, "busy" that it has no room now (the client may retry elsewhere),
+    "too_large" that it exceeds this server's limits (another server may accept it).
     """
 
     ok: bool
     error: str | None = None
-    error_kind: Literal["bad_request", "server", "busy"] | None = None
+    error_kind: Literal["bad_request", "server", "busy", "too_large"] | None = None
     compute_ms: float = 0.0
 
 
