@@ -124,6 +124,8 @@ def check_span_request(header: ForwardRequest, tensors: list[torch.Tensor], limi
     expected = 1 + backward + header.has_attention_mask + header.has_position_ids + header.has_prompts
     hidden, rest = _hidden_first(tensors, expected, f"{header.kind} request", limits)
     batch, seq = hidden.shape[:2]
+    if seq > limits.max_position:
+        raise ProtocolError(f"a sequence of {seq} tokens exceeds the model's context of {limits.max_position}")
     grad_outputs = mask = positions = prompts = None
     if backward:
         grad_outputs = next(rest)
