@@ -19,8 +19,9 @@ import torch
 from hivemind.compression import serialize_torch_tensor
 from hivemind.p2p import P2P
 from hivemind.proto import runtime_pb2
+from hivemind.utils.streaming import split_for_streaming
 
-from swarmlm.protocol.codec import encode, read_message
+from swarmlm.protocol.codec import CHUNK_BYTES, encode, read_message
 from swarmlm.protocol.messages import ForwardRequest, InferenceOpen, InferenceStep, ReplyHeader
 from tests.conftest import LOGITS_ATOL, connected_model, load_reference, running_swarm
 from tests.integration.test_bad_requests import RawClient
@@ -63,8 +64,9 @@ def raw(swarm) -> Iterator[RawClient]:
 class Memory:
     """Peak RSS (MB) of the server process and its children (DHT child, p2pd), sampled while an attack runs."""
 
-    def __init__(self, swarm, name: str):
+    def __init__(self, swarm, name: str, max_growth_mb: float = MAX_GROWTH_MB):
         self.process = psutil.Process(swarm.servers[0].process.pid)
+        self.max_growth_mb = max_growth_mb
         self.name, self.before = name, self.rss()
         self.peak = self.before
         self._stop = threading.Event()
@@ -98,7 +100,7 @@ class Memory:
             with open(report, "a") as file:
                 line = {"attack": self.name, "before_mb": self.before, "peak_growth_mb": growth, "held_mb": self.after}
                 file.write(json.dumps(line) + "\n")
-        assert growth < MAX_GROWTH_MB, f"{self.name}: the server grew by {growth:.0f} MB"
+        assert growth < self.max_growth_mb, f"{self.name}: the server grew by {growth:.0f} MB"
 
 
 def open_raw(raw: RawClient, method: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -189,6 +191,28 @@ def test_stalled_big_frames_hold_nothing(swarm, raw: RawClient) -> None:
             write_until_refused(raw, writer, [header, bytes(16 << 20)])  # then stalls
         replies = [replied.result(ANSWER_S + 5) for replied in pending]
     assert all(r is not None and r.error_kind == "too_large" for r in replies), replies
+
+
+def test_many_stalled_messages_from_one_peer_stay_within_its_memory_bound(swarm, raw: RawClient) -> None:
+    """20 streams each send 7 of the 8 MiB of a valid-looking message, then stall: the server reads no more of this
+    peer than its bound (4 maximal requests, ~69 MB here), and keeps serving others meanwhile."""
+    hidden = serialize_torch_tensor(torch.zeros(1, 32768, 64))  # 8 MiB, declared in its first chunk
+    chunks = list(split_for_streaming(hidden, CHUNK_BYTES))
+    header = msgpack.packb({"header": FORWARD.model_dump(), "n_tensors": 1})
+    parts = [runtime_pb2.ExpertRequest(metadata=header, tensors=chunks[:1])]
+    parts += [runtime_pb2.ExpertRequest(tensors=[chunk]) for chunk in chunks[1:-1]]
+    stalled = b"".join(frame(part) for part in parts)
+    streams = [open_raw(raw, "rpc_forward") for _ in range(20)]
+    with Memory(swarm, "20 stalled 8 MiB messages from one peer", max_growth_mb=110):
+        for _, writer in streams:
+            raw.loop.loop.call_soon_threadsafe(writer.write, stalled)  # buffered: the server may stop reading
+        time.sleep(5.0)
+        other = RawClient(swarm.initial_peers, swarm.servers[0].peer_id)
+        try:
+            reply = other.forward(FORWARD, [torch.randn(1, 4, 64)])
+            assert reply.ok
+        finally:
+            other.close()
 
 
 def test_empty_chunk_flood_is_refused(swarm, raw: RawClient) -> None:
