@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--alloc-timeout",
         type=float,
         default=ServerConfig.alloc_timeout_s,
-        help="seconds a session waits for cache room",
+        help="seconds a session waits for cache room, first come first served (0: do not wait)",
     )
     serve.add_argument("--session-idle-timeout", type=float, default=ServerConfig.session_idle_timeout_s)
     serve.add_argument(
