@@ -16,7 +16,7 @@ from swarmlm.protocol.codec import drain, encode, read_only_message
 from swarmlm.protocol.messages import BackwardRequest, ForwardRequest, ReplyHeader
 from swarmlm.server.backend import SpanBackend
 from swarmlm.server.inference import InferenceSessions
-from swarmlm.server.peers import short
+from swarmlm.server.peers import short, where
 from swarmlm.server.validation import check_span_request, max_message_bytes
 
 logger = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ class SpanHandler:
         except Exception as e:  # noqa: BLE001 - any failure must become an error reply, never a dead server
             self.rejected += 1
             text = short(f"{type(e).__name__}: {e}")
-            logger.warning("%s failed peer=...%s: %s", kind, peer, text, exc_info=logger.isEnabledFor(logging.DEBUG))
+            logger.warning("%s failed peer=...%s: %s\n%s", kind, peer, text, where(e))
             reply, outputs = ReplyHeader(ok=False, error=text, error_kind="server"), []
         for part in encode(reply, outputs, runtime_pb2.ExpertResponse):
             yield part

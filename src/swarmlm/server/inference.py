@@ -16,7 +16,7 @@ from swarmlm.protocol.codec import drain, encode, read_message
 from swarmlm.protocol.messages import InferenceOpen, InferenceStep, ReplyHeader
 from swarmlm.server.backend import SpanBackend
 from swarmlm.server.cache import CacheBudget, ServerBusyError
-from swarmlm.server.peers import PeerLedger, short
+from swarmlm.server.peers import PeerLedger, short, where
 from swarmlm.server.validation import check_open, check_step, max_message_bytes
 
 logger = logging.getLogger(__name__)
@@ -123,8 +123,8 @@ class InferenceSessions:
             except Exception as e:  # noqa: BLE001 - a failed step is answered; it never kills the stream raw
                 intact = inputs.hypo_ids is None and _lengths(cache, session) == before
                 text = short(f"{type(e).__name__}: {e}")
-                logger.warning("inference step failed peer=...%s (%s): %s", peer,
-                               "session goes on" if intact else "cache changed, closing", text)  # fmt: skip
+                logger.warning("inference step failed peer=...%s (%s): %s\n%s", peer,
+                               "session goes on" if intact else "cache changed, closing", text, where(e))  # fmt: skip
                 yield _reply(ReplyHeader(ok=False, error=text, error_kind="server"))
                 if not intact:
                     return

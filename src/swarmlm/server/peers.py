@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import traceback
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -16,6 +17,11 @@ MAX_ERROR_CHARS = 500
 def short(text: str, limit: int = MAX_ERROR_CHARS) -> str:
     """`text` cut to `limit` characters, saying how much was cut."""
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
+
+
+def where(error: BaseException) -> str:
+    """The traceback of `error` without its message (which a peer may have made huge), for the log."""
+    return "".join(traceback.format_tb(error.__traceback__)).rstrip()
 
 
 class LimitError(ProtocolError):
