@@ -27,6 +27,12 @@ class ServerConfig:
     alloc_timeout_s: float = 5.0  # how long a session waits for cache room before "server busy"
     session_idle_timeout_s: float = 300.0  # an inference session without steps for this long is closed
     inference_chunk_tokens: int = 1024  # long prompts are run through the blocks this many tokens at a time
+    peer_memory_mb: float | None = None  # MB of requests one peer may have buffered (default: 4 maximal requests)
+    max_sessions_per_peer: int = 16  # inference sessions one peer may hold open
+    max_sessions: int = 256  # inference sessions all peers together may hold open
+    peer_cache_share: float = 0.5  # fraction of the KV-cache budget one peer may hold
+    write_timeout_s: float = 30.0  # a peer that does not read a reply for this long loses its stream
+    max_frame_mb: float = 4.0  # largest frame (protobuf part) a peer may send, in MB (ours carry <= 1 MiB of tensors)
 
 
 @dataclass(frozen=True)

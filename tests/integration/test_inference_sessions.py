@@ -48,6 +48,7 @@ def swarm(tiny_model_dir: Path) -> Iterator[LocalSwarm]:
         "--cache-tokens", str(CACHE_TOKENS),
         "--alloc-timeout", str(ALLOC_TIMEOUT_S),
         "--session-idle-timeout", str(IDLE_TIMEOUT_S),
+        "--peer-cache-share", "1",  # these tests fill the whole budget from one client
     ]  # fmt: skip
     with running_swarm(tiny_model_dir, [(0, NUM_BLOCKS)], extra_args=extra_args) as swarm:
         yield swarm
@@ -262,7 +263,7 @@ def test_session_larger_than_the_whole_cache_is_refused_at_once(client: SessionC
     assert not isinstance(refused.value, BadRequestError)
     assert time.monotonic() - began < ALLOC_TIMEOUT_S
     reply = client.raw_open(InferenceOpen(start_block=0, end_block=NUM_BLOCKS, batch_size=2, max_length=40))
-    assert not reply.ok and reply.error_kind == "busy" and f"{CACHE_TOKENS} tokens" in reply.error
+    assert not reply.ok and reply.error_kind == "too_large" and f"{CACHE_TOKENS} tokens" in reply.error
     # the refusal reserved nothing
     client.open(1, CACHE_TOKENS)
 

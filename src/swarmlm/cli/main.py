@@ -50,9 +50,30 @@ def build_parser() -> argparse.ArgumentParser:
         "--alloc-timeout",
         type=float,
         default=ServerConfig.alloc_timeout_s,
-        help="seconds a session waits for cache room",
+        help="seconds a session waits for cache room, first come first served (0: do not wait)",
     )
     serve.add_argument("--session-idle-timeout", type=float, default=ServerConfig.session_idle_timeout_s)
+    serve.add_argument(
+        "--peer-memory-mb",
+        type=float,
+        default=None,
+        help="MB of requests one peer may have buffered (default: 4 maximal requests)",
+    )
+    serve.add_argument("--max-sessions-per-peer", type=int, default=ServerConfig.max_sessions_per_peer)
+    serve.add_argument("--max-sessions", type=int, default=ServerConfig.max_sessions, help="sessions of all peers")
+    serve.add_argument(
+        "--peer-cache-share",
+        type=float,
+        default=ServerConfig.peer_cache_share,
+        help="fraction of the KV cache one peer may hold",
+    )
+    serve.add_argument(
+        "--write-timeout",
+        type=float,
+        default=ServerConfig.write_timeout_s,
+        help="seconds a reply may wait for the peer to read it before its stream is closed",
+    )
+    serve.add_argument("--max-frame-mb", type=float, default=ServerConfig.max_frame_mb, help="largest frame accepted")
 
     dht = sub.add_parser("dht", help="run a bootstrap-only DHT node that others join")
     _add_network_args(dht)
@@ -116,6 +137,12 @@ def _serve(args: argparse.Namespace) -> None:
         cache_tokens=args.cache_tokens,
         alloc_timeout_s=args.alloc_timeout,
         session_idle_timeout_s=args.session_idle_timeout,
+        peer_memory_mb=args.peer_memory_mb,
+        max_sessions_per_peer=args.max_sessions_per_peer,
+        max_sessions=args.max_sessions,
+        peer_cache_share=args.peer_cache_share,
+        write_timeout_s=args.write_timeout,
+        max_frame_mb=args.max_frame_mb,
     )
     Server(config).run()
 

@@ -7,6 +7,7 @@ over parts of bounded size, so tensors of any size pass the transport's per-mess
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import TypeVar
 
@@ -27,6 +28,14 @@ WIRE_DTYPES = {"float32", "float16", "bfloat16", "int64", "int32", "bool"}
 MAX_METADATA_BYTES = 64 << 10
 # More tensors than any request kind uses: the rest is malformed.
 MAX_TENSORS = 16
+# Our senders put one chunk in a part; more than this in one part is malformed (empty chunks cost memory, not bytes).
+MAX_CHUNKS_PER_PART = 16
+# Smallest chunk hivemind's splitter makes (its default): a tensor may declare at most its bytes / this + 1 chunks.
+MIN_CHUNK_BYTES = 1 << 16
+# Only uncompressed tensors are read: compressed ones expand before they could be checked (our senders never compress).
+WIRE_COMPRESSION = {runtime_pb2.CompressionType.NONE}
+# bytes per value on the wire (bfloat16 travels as 2 bytes, or as float32 from hivemind's legacy mode)
+_WIRE_ITEM_BYTES = {"float32": (4,), "float16": (2,), "bfloat16": (2, 4), "int64": (8,), "int32": (4,), "bool": (1,)}
 
 H = TypeVar("H", bound=_Header)
 Part = runtime_pb2.ExpertRequest | runtime_pb2.ExpertResponse
@@ -86,11 +95,17 @@ async def read_only_message(
     return message
 
 
+# A refused message is refused from its first chunk's declared size, so up to this many whole messages may follow.
+DRAIN_MESSAGES = 2
+
+
 async def drain(parts: AsyncIterator[Part], max_bytes: int) -> None:
-    """Consume what the sender still sends (up to max_bytes), so an early error reply does not break its pipe."""
+    """Consume what the sender still sends (up to DRAIN_MESSAGES * max_bytes), so an early error reply does not
+    break its pipe."""
+    max_bytes *= DRAIN_MESSAGES
     received = 0
     async for part in parts:
-        received += sum(len(chunk.buffer) for chunk in part.tensors) + len(part.metadata)
+        received += part.ByteSize()  # counts empty chunks too
         if received > max_bytes:
             return
 
@@ -98,6 +113,7 @@ async def drain(parts: AsyncIterator[Part], max_bytes: int) -> None:
 async def _read_tensors(first: Part, parts: AsyncIterator[Part], n_tensors: int, max_bytes: int) -> list[torch.Tensor]:
     if not 0 <= n_tensors <= MAX_TENSORS:
         raise ProtocolError(f"a message carries 0..{MAX_TENSORS} tensors, not {n_tensors}")
+    _check_part(first)
     chunks: list[runtime_pb2.Tensor] = list(first.tensors)
     received = sum(len(chunk.buffer) for chunk in chunks)
     if received > max_bytes:
@@ -110,23 +126,54 @@ async def _read_tensors(first: Part, parts: AsyncIterator[Part], n_tensors: int,
             part = await anext(parts, None)
             if part is None:
                 raise ProtocolError(f"stream ended inside a message of {n_tensors} tensors")
+            _check_part(part)
             chunks.extend(part.tensors)
             received += sum(len(chunk.buffer) for chunk in part.tensors)
             if received > max_bytes:
                 raise ProtocolError(f"message carries more than {max_bytes} bytes of tensors")
 
-    tensors, used = [], 0
+    tensors, used, declared_total = [], 0, 0
     for index in range(n_tensors):
         await ensure(used + 1)
         head = chunks[used]
-        if head.dtype not in WIRE_DTYPES or head.chunks < 1:
-            raise ProtocolError(f"tensor {index}: unsupported dtype {head.dtype!r} or missing chunk count")
+        declared = _declared_bytes(head, index)
+        declared_total += declared
+        if declared_total > max_bytes:
+            raise ProtocolError(f"message declares more than {max_bytes} bytes of tensors")
+        if not 1 <= head.chunks <= declared // MIN_CHUNK_BYTES + 1:
+            raise ProtocolError(f"tensor {index} of {declared} bytes declares {head.chunks} chunks")
         await ensure(used + head.chunks)
-        tensors.append(_deserialize(chunks[used : used + head.chunks], index))
+        body = chunks[used : used + head.chunks]
+        if any(chunk.compression != runtime_pb2.CompressionType.NONE for chunk in body[1:]):
+            raise ProtocolError(f"tensor {index}: only its first chunk may say how it is compressed")
+        if sum(len(chunk.buffer) for chunk in body) not in _wire_sizes(head):
+            raise ProtocolError(f"tensor {index} cannot be decoded: its buffer does not match its shape and dtype")
+        tensors.append(_deserialize(body, index))
         used += head.chunks
     if len(chunks) != used:
         raise ProtocolError(f"message carries more tensor chunks than its {n_tensors} tensors")
     return tensors
+
+
+def _check_part(part: Part) -> None:
+    if len(part.tensors) > MAX_CHUNKS_PER_PART:
+        raise ProtocolError(f"a part carries {len(part.tensors)} chunks, more than {MAX_CHUNKS_PER_PART}")
+
+
+def _declared_bytes(head: runtime_pb2.Tensor, index: int) -> int:
+    """Bytes a tensor's first chunk declares (by shape and dtype), checked before any of its data is decoded."""
+    if head.dtype not in WIRE_DTYPES:
+        raise ProtocolError(f"tensor {index}: unsupported dtype {head.dtype!r}")
+    if head.compression not in WIRE_COMPRESSION:
+        raise ProtocolError(f"tensor {index}: compression {head.compression} is not accepted; send uncompressed")
+    if len(head.size) > 8 or any(dim < 0 for dim in head.size):
+        raise ProtocolError(f"tensor {index}: malformed shape {list(head.size)}")
+    return math.prod(head.size) * max(_WIRE_ITEM_BYTES[head.dtype])
+
+
+def _wire_sizes(head: runtime_pb2.Tensor) -> set[int]:
+    values = math.prod(head.size)
+    return {values * item for item in _WIRE_ITEM_BYTES[head.dtype]}
 
 
 def _deserialize(chunks: list[runtime_pb2.Tensor], index: int) -> torch.Tensor:

@@ -16,6 +16,7 @@ from swarmlm.protocol.codec import drain, encode, read_only_message
 from swarmlm.protocol.messages import BackwardRequest, ForwardRequest, ReplyHeader
 from swarmlm.server.backend import SpanBackend
 from swarmlm.server.inference import InferenceSessions
+from swarmlm.server.peers import short, where
 from swarmlm.server.validation import check_span_request, max_message_bytes
 
 logger = logging.getLogger(__name__)
@@ -43,13 +44,14 @@ class SpanHandler:
             yield part
 
     async def rpc_inference(self, requests: Parts, context: P2PContext) -> Replies:
-        async for part in self.inference.serve(requests, str(context.remote_id)[-6:]):
+        async for part in self.inference.serve(requests, context.remote_id.to_base58()):
             yield part
 
     async def _serve(self, requests: Parts, context: P2PContext, header_type: type[ForwardRequest]) -> Replies:
         began = time.perf_counter()
         peer = str(context.remote_id)[-6:]
         kind = header_type.model_fields["kind"].default
+        refused = False  # a refused request may still be arriving
         try:
             message = await asyncio.wait_for(
                 read_only_message(requests, header_type, max_bytes=self.max_request_bytes),
@@ -69,13 +71,16 @@ class SpanHandler:
             )  # fmt: skip
         except ProtocolError as e:
             self.rejected += 1
-            logger.warning("%s rejected peer=...%s: %s", kind, peer, e)
-            reply, outputs = ReplyHeader(ok=False, error=str(e), error_kind="bad_request"), []
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(drain(requests, self.max_request_bytes), self.request_timeout_s)
+            logger.warning("%s rejected peer=...%s: %s", kind, peer, short(str(e)))
+            reply = ReplyHeader(ok=False, error=short(str(e)), error_kind=getattr(e, "error_kind", "bad_request"))
+            outputs, refused = [], True
         except Exception as e:  # noqa: BLE001 - any failure must become an error reply, never a dead server
             self.rejected += 1
-            logger.exception("%s failed peer=...%s", kind, peer)
-            reply, outputs = ReplyHeader(ok=False, error=f"{type(e).__name__}: {e}", error_kind="server"), []
+            text = short(f"{type(e).__name__}: {e}")
+            logger.warning("%s failed peer=...%s: %s\n%s", kind, peer, text, where(e))
+            reply, outputs = ReplyHeader(ok=False, error=text, error_kind="server"), []
         for part in encode(reply, outputs, runtime_pb2.ExpertResponse):
             yield part
+        if refused:  # answer first, then read what the sender still sends, so its writes do not break its pipe
+            with contextlib.suppress(asyncio.TimeoutError, ProtocolError):
+                await asyncio.wait_for(drain(requests, self.max_request_bytes), self.request_timeout_s)

@@ -16,6 +16,7 @@ from swarmlm.protocol.codec import drain, encode, read_message
 from swarmlm.protocol.messages import InferenceOpen, InferenceStep, ReplyHeader
 from swarmlm.server.backend import SpanBackend
 from swarmlm.server.cache import CacheBudget, ServerBusyError
+from swarmlm.server.peers import PeerLedger, short, where
 from swarmlm.server.validation import check_open, check_step, max_message_bytes
 
 logger = logging.getLogger(__name__)
@@ -29,43 +30,64 @@ class InferenceSessions:
     """Serves inference streams: open (reserve cache) -> steps -> close (client ends the stream, or idle timeout)."""
 
     def __init__(
-        self, backend: SpanBackend, budget: CacheBudget, *, alloc_timeout_s: float, idle_timeout_s: float,
-        chunk_tokens: int,
+        self, backend: SpanBackend, budget: CacheBudget, ledger: PeerLedger, *, alloc_timeout_s: float,
+        idle_timeout_s: float, chunk_tokens: int,
     ):  # fmt: skip
-        self.backend, self.budget = backend, budget
+        self.backend, self.budget, self.ledger = backend, budget, ledger
         self.alloc_timeout_s, self.idle_timeout_s = alloc_timeout_s, idle_timeout_s
         self.chunk_tokens = chunk_tokens
         self.max_message_bytes = max_message_bytes(backend.limits.max_tokens, backend.limits.hidden_size)
         self.open_sessions = 0
 
     async def serve(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], peer: str) -> Replies:
+        """One session of `peer` (its full id, the key of its limits)."""
         try:
-            opened = await asyncio.wait_for(
-                read_message(requests, InferenceOpen, max_bytes=0), timeout=self.idle_timeout_s
-            )
-            if opened is None:
-                return
-            session, _ = opened
-            check_open(session, self.backend.limits)
-            tokens = session.batch_size * session.max_length
-            await self.budget.reserve(tokens, self.alloc_timeout_s)
+            session = await self._open(requests, peer)
         except (ProtocolError, ServerBusyError, TimeoutError) as e:
-            kind = "busy" if isinstance(e, ServerBusyError) else "bad_request"
-            logger.warning("inference open refused peer=...%s: %s", peer, e)
-            yield _reply(ReplyHeader(ok=False, error=str(e) or "no open message in time", error_kind=kind))
+            kind = getattr(e, "error_kind", "bad_request")
+            text = short(str(e) or "no open message in time")
+            logger.warning("inference open refused peer=...%s: %s", peer[-6:], text)
+            yield _reply(ReplyHeader(ok=False, error=text, error_kind=kind))
             await self._drain(requests)
             return
+        if session is None:
+            return
+        tokens = session.batch_size * session.max_length
         self.open_sessions += 1
-        logger.info("inference open blocks=%d:%d batch=%d max_length=%d peer=...%s",
-                    session.start_block, session.end_block, session.batch_size, session.max_length, peer)  # fmt: skip
+        logger.info("inference open blocks=%d:%d batch=%d max_length=%d peer=...%s", session.start_block,
+                    session.end_block, session.batch_size, session.max_length, peer[-6:])  # fmt: skip
         try:
             yield _reply(ReplyHeader(ok=True))
-            async for part in self._steps(requests, session, peer):
+            async for part in self._steps(requests, session, peer[-6:]):
                 yield part
         finally:
             self.open_sessions -= 1
-            await self.budget.release(tokens)
-            logger.info("inference closed blocks=%d:%d peer=...%s", session.start_block, session.end_block, peer)
+            self.budget.release(tokens)
+            self.ledger.add_cache(peer, -tokens)
+            self.ledger.close_session(peer)
+            logger.info("inference closed blocks=%d:%d peer=...%s", session.start_block, session.end_block, peer[-6:])
+
+    async def _open(self, requests: AsyncIterator, peer: str) -> InferenceOpen | None:
+        """Read the open message and reserve the session's place and cache; None if the stream ended first."""
+        opened = await asyncio.wait_for(read_message(requests, InferenceOpen, max_bytes=0), self.idle_timeout_s)
+        if opened is None:
+            return None
+        session, _ = opened
+        check_open(session, self.backend.limits)
+        tokens = session.batch_size * session.max_length
+        self.ledger.open_session(peer)
+        try:
+            self.ledger.check_cache(peer, tokens, self.budget.capacity)
+            self.ledger.add_cache(peer, tokens)  # counted while waiting, so one peer cannot queue beyond its share
+            try:
+                await self.budget.reserve(tokens, self.alloc_timeout_s)
+            except BaseException:
+                self.ledger.add_cache(peer, -tokens)
+                raise
+        except BaseException:
+            self.ledger.close_session(peer)
+            raise
+        return session
 
     async def _steps(self, requests: AsyncIterator, session: InferenceOpen, peer: str) -> Replies:
         cache = DynamicCache()
@@ -78,7 +100,8 @@ class InferenceSessions:
                 logger.info("inference session idle for %.0f s, closing peer=...%s", self.idle_timeout_s, peer)
                 return
             except ProtocolError as e:
-                yield _reply(ReplyHeader(ok=False, error=str(e), error_kind="bad_request"))
+                kind = getattr(e, "error_kind", "bad_request")
+                yield _reply(ReplyHeader(ok=False, error=short(str(e)), error_kind=kind))
                 await self._drain(requests)
                 return  # the stream itself is broken: nothing after this can be parsed
             if message is None:
@@ -89,12 +112,24 @@ class InferenceSessions:
             try:
                 inputs = check_step(header, tensors, self.backend.limits, session, past)
             except ProtocolError as e:
-                logger.warning("inference step rejected peer=...%s: %s", peer, e)
-                yield _reply(ReplyHeader(ok=False, error=str(e), error_kind="bad_request"))
+                logger.warning("inference step rejected peer=...%s: %s", peer, short(str(e)))
+                yield _reply(ReplyHeader(ok=False, error=short(str(e)), error_kind="bad_request"))
                 continue  # the cache is untouched: the session goes on
-            outputs, compute_ms = await self.backend.step(
-                cache, session.start_block, session.end_block, inputs, self.chunk_tokens, header.start_from_position
-            )
+            before = _lengths(cache, session)
+            try:
+                outputs, compute_ms = await self.backend.step(
+                    cache, session.start_block, session.end_block, inputs, self.chunk_tokens,
+                    header.start_from_position,
+                )
+            except Exception as e:  # noqa: BLE001 - a failed step is answered; it never kills the stream raw
+                intact = inputs.hypo_ids is None and _lengths(cache, session) == before
+                text = short(f"{type(e).__name__}: {e}")
+                logger.warning("inference step failed peer=...%s (%s): %s\n%s", peer,
+                               "session goes on" if intact else "cache changed, closing", text, where(e))  # fmt: skip
+                yield _reply(ReplyHeader(ok=False, error=text, error_kind="server"))
+                if not intact:
+                    return
+                continue
             logger.info("inference step blocks=%d:%d tokens=%d past=%d peer=...%s %.1f ms",
                         session.start_block, session.end_block, inputs.hidden.shape[0] * inputs.hidden.shape[1],
                         past, peer, (time.perf_counter() - began) * 1000)  # fmt: skip
@@ -103,8 +138,13 @@ class InferenceSessions:
 
     async def _drain(self, requests: AsyncIterator) -> None:
         """Read what the client still sends after an error reply, so that its writes do not break the reply."""
-        with contextlib.suppress(TimeoutError):
+        with contextlib.suppress(TimeoutError, ProtocolError):
             await asyncio.wait_for(drain(requests, self.max_message_bytes), min(self.idle_timeout_s, DRAIN_TIMEOUT_S))
+
+
+def _lengths(cache: DynamicCache, session: InferenceOpen) -> list[int]:
+    """Tokens the cache holds in each of the session's blocks (all equal while it is consistent)."""
+    return [cache.get_seq_length(block) for block in range(session.start_block, session.end_block)]
 
 
 def _reply(header: ReplyHeader) -> runtime_pb2.ExpertResponse:

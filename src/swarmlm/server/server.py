@@ -18,10 +18,14 @@ from swarmlm.models.loading import load_config, resolve_model
 from swarmlm.models.naming import default_dht_prefix
 from swarmlm.models.span import SpanModel
 from swarmlm.protocol import service
+from swarmlm.server import transport
 from swarmlm.server.backend import SpanBackend
 from swarmlm.server.cache import CacheBudget, default_cache_tokens
 from swarmlm.server.handler import SpanHandler
 from swarmlm.server.inference import InferenceSessions
+from swarmlm.server.peers import PeerLedger, PeerLimits
+from swarmlm.server.transport import StreamLimits
+from swarmlm.server.validation import max_message_bytes
 from swarmlm.swarm.dht import start_dht, visible_maddrs
 from swarmlm.swarm.records import ServerRecord, ServerState, announce
 
@@ -55,9 +59,12 @@ class Server:
         self.backend = SpanBackend(span, DTYPES[config.dtype], config.device, config.max_tokens_per_request)
         self.throughput = self.backend.measure_throughput()
         span_config = span.config
+        request_bytes = max_message_bytes(config.max_tokens_per_request, span_config.hidden_size)
+        self.peer_memory_bytes = int(config.peer_memory_mb * 1e6) if config.peer_memory_mb else 4 * request_bytes
         self.cache_tokens = config.cache_tokens or default_cache_tokens(
-            span_config, config.end_block - config.start_block, DTYPES[config.dtype]
-        )
+            span_config, config.end_block - config.start_block, DTYPES[config.dtype], config.device,
+            reserved_bytes=self.peer_memory_bytes,
+        )  # fmt: skip
         self.dht: hivemind.DHT | None = None
 
     def run(self) -> None:
@@ -94,17 +101,21 @@ class Server:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         p2p = await self.dht.replicate_p2p()
+        cfg = self.config
+        ledger = PeerLedger(PeerLimits(self.peer_memory_bytes, cfg.max_sessions_per_peer, cfg.max_sessions,
+                                       cfg.peer_cache_share))  # fmt: skip
         inference = InferenceSessions(
             self.backend,
             CacheBudget(self.cache_tokens),
+            ledger,
             alloc_timeout_s=self.config.alloc_timeout_s,
             idle_timeout_s=self.config.session_idle_timeout_s,
             chunk_tokens=self.config.inference_chunk_tokens,
         )
         servicer = SpanHandler(self.backend, inference, self.config.request_timeout_s)
-        await service.register(p2p, servicer)
+        limits = StreamLimits(int(cfg.max_frame_mb * 1e6), cfg.request_timeout_s, cfg.write_timeout_s)
+        await transport.register(p2p, servicer, ledger, limits)
         peer_id, addrs = p2p.peer_id.to_base58(), visible_maddrs(self.dht)
-        cfg = self.config
         await announce(self.dht, self.dht_prefix, peer_id, self._record(ServerState.ONLINE, addrs), cfg.record_ttl_s)
         print(
             f"Serving blocks {cfg.start_block}:{cfg.end_block} of {cfg.model} as swarm {self.dht_prefix!r}, "

@@ -1,0 +1,243 @@
+"""The server's side of hivemind's protobuf streams, with a bound on every frame, read and write.
+
+hivemind 1.1.12 serves a streaming rpc_* method through `P2P._add_protobuf_stream_handler`, which
+- reads each frame whole with `P2P.receive_raw_data`: an 8-byte length, then `readexactly(length)` of any length
+  the peer declares (a 400 MB frame is buffered before anything can refuse it);
+- puts parsed frames in a per-stream `asyncio.Queue(max_prefetch=5)` and blocks on `put` while it is full, so it
+  stops seeing the peer's end of stream;
+- writes replies with `writer.drain()` and no deadline: a peer that stops reading blocks the handler forever, which
+  with the full queue above holds a session (and its cache budget) until the server restarts.
+This module registers the same handler names (wire compatible with hivemind's client stubs) through
+`add_binary_stream_handler` and reads the same frames itself: each frame's declared length is checked and charged to
+the peer's byte budget (PeerLedger) before its bytes are read, every body read and reply write has a deadline, and a
+peer that vanishes or stops reading loses its stream (the handler is closed, so its session frees its budget).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from google.protobuf.message import DecodeError
+from hivemind.p2p import P2P, P2PContext
+from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
+from hivemind.proto import runtime_pb2
+from hivemind.proto.p2pd_pb2 import RPCError
+
+from swarmlm.errors import ProtocolError
+from swarmlm.protocol.codec import MAX_CHUNKS_PER_PART
+from swarmlm.protocol.service import SpanService
+from swarmlm.server.peers import LimitError, PeerLedger, short
+
+logger = logging.getLogger(__name__)
+
+# Python keeps a parsed frame in objects a few times its wire size; each frame is charged at least this much
+FRAME_OVERHEAD_BYTES = 4096
+# frames read ahead of the handler, as in hivemind (its default max_prefetch)
+PREFETCH_FRAMES = 5
+METHODS = ("rpc_forward", "rpc_backward", "rpc_inference")
+# ExpertRequest's field number of its repeated tensors (hivemind/proto/runtime.proto)
+TENSORS_FIELD = 2
+# our parts have 1-3 top-level fields; a frame of thousands of tiny fields is refused without parsing it
+MAX_FIELDS_PER_PART = 64
+
+Handler = Callable[[AsyncIterator[runtime_pb2.ExpertRequest], P2PContext], AsyncIterator[runtime_pb2.ExpertResponse]]
+
+
+@dataclass(frozen=True)
+class StreamLimits:
+    max_frame_bytes: int  # largest frame a peer may send (our parts are <= 1 MiB of tensor data plus a header)
+    read_timeout_s: float  # longest a frame's body, once announced, may take to arrive
+    write_timeout_s: float  # longest a reply may wait for the peer to read it
+
+
+class _EndOfFrames(Exception):  # noqa: N818 - a signal between the reader and the handler's iterator, not an error
+    """The peer ended its stream (or vanished)."""
+
+
+class _Stream:
+    """One peer stream: a reader task feeding a bounded queue, the handler's request iterator, byte accounting."""
+
+    def __init__(self, peer: str, reader: asyncio.StreamReader, ledger: PeerLedger, limits: StreamLimits):
+        self.peer, self.reader, self.ledger, self.limits = peer, reader, ledger, limits
+        self.queue: asyncio.Queue = asyncio.Queue(PREFETCH_FRAMES)
+        self.charged = 0  # bytes of this stream charged to the peer (queued, being read or being served)
+        self.consumed = 0  # of those, bytes of frames the handler has taken and not answered yet
+        self.vanished = False  # the connection broke (not a clean end of stream)
+
+    async def requests(self) -> AsyncIterator[runtime_pb2.ExpertRequest]:
+        """What the handler iterates: parsed frames, then the end; a limit hit while reading raises LimitError."""
+        while True:
+            item = await self.queue.get()
+            if item is None:
+                return
+            if isinstance(item, ProtocolError):
+                raise item
+            part, size = item
+            self.consumed += size
+            yield part
+
+    def answered(self) -> None:
+        """The handler replied: the frames it read so far are done with."""
+        self._release(self.consumed)
+        self.consumed = 0
+
+    def _release(self, size: int) -> None:
+        self.charged -= size
+        self.ledger.release_bytes(self.peer, size)
+
+    def close(self) -> None:
+        self._release(self.charged)
+        self.consumed = 0
+
+    async def read_frames(self) -> None:
+        """Read frames until the peer ends the stream; on a broken limit, hand the handler the error and stop."""
+        try:
+            while True:
+                item = await self._read_frame()
+                await self.queue.put(item)
+                if item is None:
+                    return
+        except _EndOfFrames:
+            self.vanished = True
+            await self.queue.put(None)
+        except ProtocolError as e:
+            await self.queue.put(e)
+
+    async def _read_frame(self) -> tuple[runtime_pb2.ExpertRequest, int] | None:
+        try:
+            marker = await self.reader.readexactly(1)
+            length = int.from_bytes(await self.reader.readexactly(P2P.HEADER_LEN), P2P.BYTEORDER)
+        except (asyncio.IncompleteReadError, ConnectionError) as e:
+            raise _EndOfFrames from e
+        if length > self.limits.max_frame_bytes:
+            raise LimitError(f"a frame of {length} bytes exceeds this server's limit of {self.limits.max_frame_bytes}",
+                             "too_large")  # fmt: skip
+        if marker == P2P.ERROR_MARKER:  # hivemind's clients end a stream with an (empty) error frame
+            await self._read_body(length)
+            return None
+        if marker != P2P.MESSAGE_MARKER:
+            raise ProtocolError(f"unknown frame marker {marker!r}")
+        size = length + FRAME_OVERHEAD_BYTES
+        await self.ledger.acquire_bytes(self.peer, size, self.limits.read_timeout_s)
+        self.charged += size
+        data = await self._read_body(length)
+        if not _few_chunks(data, MAX_CHUNKS_PER_PART):
+            raise ProtocolError(f"a part has over {MAX_CHUNKS_PER_PART} chunks or {MAX_FIELDS_PER_PART} fields")
+        part = runtime_pb2.ExpertRequest()
+        try:
+            part.ParseFromString(data)
+        except DecodeError as e:
+            raise ProtocolError(f"a frame is not a valid protobuf message: {e}") from e
+        return part, size
+
+    async def _read_body(self, length: int) -> bytes:
+        try:
+            return await asyncio.wait_for(self.reader.readexactly(length), self.limits.read_timeout_s)
+        except TimeoutError as e:
+            raise LimitError(f"a frame of {length} bytes did not arrive in {self.limits.read_timeout_s:.0f} s",
+                             "bad_request") from e  # fmt: skip
+        except (asyncio.IncompleteReadError, ConnectionError) as e:
+            raise _EndOfFrames from e
+
+
+def _few_chunks(data: bytes, limit: int) -> bool:
+    """Whether a serialized ExpertRequest holds at most `limit` tensors (field 2), found by walking its top-level
+    fields: parsing first would expand a frame of empty tensors to ~40x its size in Python objects."""
+    position, count = 0, 0
+    for _ in range(MAX_FIELDS_PER_PART):
+        if position >= len(data):
+            return True
+        tag, position = _varint(data, position)
+        if tag & 7 == 2:  # length-delimited: tensors, metadata, uid
+            size, position = _varint(data, position)
+            position += size
+            count += tag >> 3 == TENSORS_FIELD
+            if count > limit:
+                return False
+        elif tag & 7 == 0:
+            _, position = _varint(data, position)
+        else:
+            return True  # not our layout: ParseFromString decides
+    return position >= len(data)
+
+
+def _varint(data: bytes, position: int) -> tuple[int, int]:
+    value, shift = 0, 0
+    while position < len(data) and shift < 64:
+        byte = data[position]
+        value |= (byte & 0x7F) << shift
+        position, shift = position + 1, shift + 7
+        if not byte & 0x80:
+            break
+    return value, position
+
+
+async def register(p2p: P2P, implementation: object, ledger: PeerLedger, limits: StreamLimits) -> None:
+    """Serve `implementation`'s rpc_* methods under SpanService's names, through bounded streams."""
+    for method in METHODS:
+        name = SpanService._get_handle_name(None, method)
+        handler = getattr(implementation, method)
+
+        async def handle(info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                         handler: Handler = handler, name: str = name) -> None:  # fmt: skip
+            await _serve_stream(handler, name, p2p, info, reader, writer, ledger, limits)
+
+        await p2p.add_binary_stream_handler(name, handle)
+
+
+async def _serve_stream(
+    handler: Handler, name: str, p2p: P2P, info: StreamInfo, reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter, ledger: PeerLedger, limits: StreamLimits,
+) -> None:  # fmt: skip
+    context = P2PContext(handle_name=name, local_id=p2p.peer_id, remote_id=info.peer_id)
+    stream = _Stream(info.peer_id.to_base58(), reader, ledger, limits)
+    reading = asyncio.create_task(stream.read_frames())
+    processing = asyncio.create_task(_answer(handler(stream.requests(), context), stream, writer, limits))
+    try:
+        # a clean end of stream lets the handler finish its answers; a broken connection ends it at once
+        while not processing.done():
+            await asyncio.wait({processing, reading}, return_when=asyncio.FIRST_COMPLETED)
+            if reading.done() and stream.vanished:
+                break
+    finally:
+        for task in (reading, processing):
+            task.cancel()
+        await asyncio.gather(reading, processing, return_exceptions=True)
+        stream.close()
+        writer.close()
+
+
+async def _answer(
+    replies: AsyncIterator[runtime_pb2.ExpertResponse], stream: _Stream, writer: asyncio.StreamWriter,
+    limits: StreamLimits,
+) -> None:  # fmt: skip
+    """Send the handler's replies, each within the write deadline; a peer that does not read loses the stream."""
+    try:
+        await _send_all(replies, stream, writer, limits)
+    except Exception as e:  # noqa: BLE001 - a handler's failure reaches the peer as a short error, as in hivemind
+        logger.warning("handler failed peer=...%s: %s", stream.peer[-6:], short(f"{type(e).__name__}: {e}"))
+        with contextlib.suppress(Exception):
+            error = RPCError(message=short(f"{type(e).__name__}: {e}"))
+            await asyncio.wait_for(P2P.send_protobuf(error, writer), limits.write_timeout_s)
+
+
+async def _send_all(
+    replies: AsyncIterator[runtime_pb2.ExpertResponse], stream: _Stream, writer: asyncio.StreamWriter,
+    limits: StreamLimits,
+) -> None:  # fmt: skip
+    async with contextlib.aclosing(replies):  # closing runs the handler's cleanup (session and budget release)
+        async for reply in replies:
+            stream.answered()
+            try:
+                await asyncio.wait_for(P2P.send_protobuf(reply, writer), limits.write_timeout_s)
+            except TimeoutError:
+                logger.warning("peer ...%s did not read a reply in %.0f s: closing its stream",
+                               stream.peer[-6:], limits.write_timeout_s)  # fmt: skip
+                return
+            except (ConnectionError, RuntimeError):
+                logger.debug("peer ...%s closed its stream", stream.peer[-6:])
+                return
