@@ -143,3 +143,22 @@ def test_records_carry_identity_and_limits(swarm) -> None:
     assert record["max_tokens_per_request"] > 0 and record["cache_tokens_total"] > 0
     assert record["cache_tokens_left"] == record["cache_tokens_total"]
     assert found[swarm.other.servers[0].peer_id].value["fingerprint"] != record["fingerprint"]
+    assert record["inference_throughput"] > 0
+
+
+def test_server_info_describes_each_server_as_it_is_now(tiny_model_dir: Path, swarm) -> None:
+    with connected_model(tiny_model_dir, swarm) as model:
+        infos = model.server_infos()
+        assert set(infos) == _real_peers(swarm)  # the other model's server is not this model's
+        first = infos[swarm.servers[0].peer_id]
+        assert (first.start_block, first.end_block) == SPANS[0]
+        assert first.fingerprint == model.model.layers.client.manager.view.filter.fingerprint
+        assert first.version and first.dtype == "float32" and first.max_position == 256
+        assert first.throughput > 0 and first.inference_throughput > 0
+        assert first.cache_tokens_left == first.cache_tokens_total and first.sessions_open == 0
+        with model.inference_session(max_length=16) as session:
+            session.step(torch.randn(2, 3, 64))
+            busy = model.server_info(swarm.servers[0].peer_id)
+            assert busy.sessions_open == 1
+            assert busy.cache_tokens_left == busy.cache_tokens_total - 2 * 16
+        assert model.server_info(swarm.servers[0].peer_id).sessions_open == 0

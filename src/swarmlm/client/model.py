@@ -21,6 +21,7 @@ from swarmlm.models.fingerprint import model_fingerprint
 from swarmlm.models.loading import load_config, load_tensors, resolve_model
 from swarmlm.models.naming import default_dht_prefix
 from swarmlm.models.registry import ModelFamily, get_family
+from swarmlm.protocol.messages import ServerInfo
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +157,20 @@ class DistributedCausalLMMixin(RemoteGenerationMixin):
         if self.prompt_tuning is None:
             raise ValueError("this model has no prompts: load it with tuning_mode='ptune' or 'deep_ptune'")
         return self.prompt_tuning
+
+    def server_infos(self) -> dict[str, ServerInfo]:
+        """What each server of this model's swarm says about itself now (rpc_info), by peer id."""
+        return self._client().server_infos()
+
+    def server_info(self, peer_id: str) -> ServerInfo:
+        """What one server says about itself now: span, version, fingerprint, limits, free cache and speed."""
+        return self._client().server_info(peer_id)
+
+    def _client(self) -> SwarmClient:
+        layers = self.model.layers
+        if not isinstance(layers, RemoteSequential):
+            raise RuntimeError("this model is not connected to a swarm")
+        return layers.client
 
     def close(self) -> None:
         """Leave the swarm: stop the client's DHT node and event loop."""

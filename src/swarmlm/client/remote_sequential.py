@@ -14,10 +14,11 @@ from swarmlm.client.chain import ChainArgs, Hop, run_backward_chain, run_forward
 from swarmlm.client.inference import InferenceSession
 from swarmlm.client.loop import LoopThread
 from swarmlm.client.sequence_manager import SequenceManager
-from swarmlm.client.span_call import RerouteError
+from swarmlm.client.span_call import RerouteError, fetch_info
 from swarmlm.config import ClientConfig
 from swarmlm.errors import SessionClosedError
 from swarmlm.protocol.bundle import SpanTensors
+from swarmlm.protocol.messages import ServerInfo
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,20 @@ class SwarmClient:
             self.loop.close()
             raise
         self.closed = False
+
+    def server_info(self, peer_id: str) -> ServerInfo:
+        """What one server says about itself now: span, version, fingerprint, limits, free cache and speed."""
+        return self.loop.run(fetch_info(self.manager, peer_id))
+
+    def server_infos(self) -> dict[str, ServerInfo]:
+        """server_info of every server this client would use now; servers that do not answer are left out."""
+
+        async def ask_all() -> dict[str, ServerInfo]:
+            peers = list(self.manager.servers)
+            answers = await asyncio.gather(*(fetch_info(self.manager, p) for p in peers), return_exceptions=True)
+            return {p: a for p, a in zip(peers, answers, strict=True) if isinstance(a, ServerInfo)}
+
+        return self.loop.run(ask_all())
 
     def close(self) -> None:
         if not self.closed:

@@ -16,7 +16,7 @@ from swarmlm.client.sequence_manager import SequenceManager
 from swarmlm.errors import BadRequestError, ProtocolError, RemoteCallError
 from swarmlm.protocol import service
 from swarmlm.protocol.codec import encode, read_message, read_only_message
-from swarmlm.protocol.messages import ReplyHeader, _Header
+from swarmlm.protocol.messages import InfoRequest, ReplyHeader, ServerInfo, _Header
 
 # a reply may carry this many bytes beyond its expected tensors (bf16 travels widened to float32; chunk framing)
 REPLY_SLACK_BYTES = 64 << 10
@@ -131,6 +131,20 @@ async def call_span(
     blocks = getattr(header, "end_block", 0) - getattr(header, "start_block", 0)
     manager.record_success(peer_id, time.perf_counter() - began, call_work(blocks, tensors))
     return reply, outputs
+
+
+async def fetch_info(manager: SequenceManager, peer_id: str) -> ServerInfo:
+    """Ask a server to describe itself now (span, version, fingerprint, limits, free cache, speed)."""
+    timeout_s = manager.config.request_timeout_s
+    with remote_errors("rpc_info", peer_id, timeout_s):
+        async with asyncio.timeout(timeout_s):
+            peer = await manager.ensure_connected(peer_id)
+            replies = await service.stub(manager.p2p, peer).rpc_info(_as_stream(InfoRequest(), []))
+            async with contextlib.aclosing(replies):
+                message = await read_only_message(replies, ServerInfo, max_bytes=0)
+    if message is None:
+        raise RemoteCallError("rpc_info: the server closed the stream without replying", peer_id)
+    return message[0]
 
 
 def _checked(

@@ -124,3 +124,30 @@ def parse_header(data: dict[str, object], expected: type[_Header]) -> _Header:
     except ValidationError as e:
         problems = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or 'header'}: {err['msg']}" for err in e.errors())
         raise ProtocolError(f"malformed {expected.__name__}: {problems}") from e
+
+
+class InfoRequest(_Header):
+    """Ask a server to describe itself (rpc_info). No tensors; the reply is one ServerInfo message."""
+
+    kind: Literal["info"] = "info"
+
+
+class ServerInfo(_Header):
+    """What a server says about itself right now: its span, identity, limits, free cache and speed."""
+
+    # newer servers may say more: a client reads what it knows
+    model_config = ConfigDict(extra="ignore", strict=True, frozen=True)
+
+    kind: Literal["server_info"] = "server_info"
+    start_block: int  # first block served
+    end_block: int  # one past the last block served
+    version: str  # swarmlm version of the server
+    fingerprint: str  # the model's fingerprint (models/fingerprint.py)
+    dtype: str  # compute dtype of the blocks
+    max_tokens_per_request: int  # batch * sequence tokens one request may carry
+    max_position: int  # the model's context: positions and session lengths stay below it
+    cache_tokens_total: int  # the KV-cache budget, in tokens
+    cache_tokens_left: int  # tokens of it not reserved by open sessions
+    sessions_open: int  # inference sessions open now
+    throughput: float  # forward tokens/s through one block, measured at start-up
+    inference_throughput: float  # one-token decode steps/s through one block, measured at start-up

@@ -110,5 +110,14 @@ class SpanBackend:
         elapsed = min(self._run(self.span.start, self.span.end, inputs)[1] for _ in range(repeats)) / 1000
         return tokens * (self.span.end - self.span.start) / max(elapsed, 1e-9)
 
+    def measure_inference_throughput(self, past: int = 32, repeats: int = 5) -> float:
+        """One-token decode steps per second through one block with `past` tokens cached, measured at start-up."""
+        cache = DynamicCache()
+        start, end = self.span.start, self.span.end
+        self._step(cache, start, end, SpanTensors(torch.randn(1, past, self.limits.hidden_size)), past, None)
+        token = SpanTensors(torch.randn(1, 1, self.limits.hidden_size))
+        elapsed = min(self._step(cache, start, end, token, 1, past)[1] for _ in range(repeats)) / 1000
+        return (end - start) / max(elapsed, 1e-9)
+
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

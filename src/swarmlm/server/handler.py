@@ -6,14 +6,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
 
 from swarmlm.errors import ProtocolError
 from swarmlm.protocol.codec import drain, encode, read_only_message
-from swarmlm.protocol.messages import BackwardRequest, ForwardRequest, ReplyHeader
+from swarmlm.protocol.messages import BackwardRequest, ForwardRequest, InfoRequest, ReplyHeader, ServerInfo
 from swarmlm.server.backend import SpanBackend
 from swarmlm.server.inference import InferenceSessions
 from swarmlm.server.peers import short, where
@@ -28,8 +28,11 @@ Replies = AsyncIterator[runtime_pb2.ExpertResponse]
 class SpanHandler:
     """Implements protocol.service.SpanService for the span served by `backend`."""
 
-    def __init__(self, backend: SpanBackend, inference: InferenceSessions, request_timeout_s: float):
-        self.backend, self.inference = backend, inference
+    def __init__(
+        self, backend: SpanBackend, inference: InferenceSessions, request_timeout_s: float,
+        describe: Callable[[], ServerInfo],
+    ):  # fmt: skip
+        self.backend, self.inference, self.describe = backend, inference, describe
         self.request_timeout_s = request_timeout_s
         self.max_request_bytes = max_message_bytes(backend.limits.max_tokens, backend.limits.hidden_size)
         self.served = 0  # requests answered successfully
@@ -45,6 +48,14 @@ class SpanHandler:
 
     async def rpc_inference(self, requests: Parts, context: P2PContext) -> Replies:
         async for part in self.inference.serve(requests, context.remote_id.to_base58()):
+            yield part
+
+    async def rpc_info(self, requests: Parts, context: P2PContext) -> Replies:
+        # the answer is public (the DHT record says most of it): whatever the request holds, it gets the answer,
+        # once the request has been read (up to a deadline), so the asker's writes do not break its pipe
+        with contextlib.suppress(asyncio.TimeoutError, ProtocolError):
+            await asyncio.wait_for(read_only_message(requests, InfoRequest, max_bytes=0), self.request_timeout_s)
+        for part in encode(self.describe(), [], runtime_pb2.ExpertResponse):
             yield part
 
     async def _serve(self, requests: Parts, context: P2PContext, header_type: type[ForwardRequest]) -> Replies:

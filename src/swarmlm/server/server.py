@@ -18,6 +18,7 @@ from swarmlm.models.loading import load_config, resolve_model
 from swarmlm.models.naming import default_dht_prefix
 from swarmlm.models.span import SpanModel
 from swarmlm.protocol import service
+from swarmlm.protocol.messages import ServerInfo
 from swarmlm.server import transport
 from swarmlm.server.backend import SpanBackend
 from swarmlm.server.cache import CacheBudget, default_cache_tokens
@@ -58,6 +59,7 @@ class Server:
         span = SpanModel.from_dir(model_dir, config.start_block, config.end_block, DTYPES[config.dtype], config.device)
         self.backend = SpanBackend(span, DTYPES[config.dtype], config.device, config.max_tokens_per_request)
         self.throughput = self.backend.measure_throughput()
+        self.inference_throughput = self.backend.measure_inference_throughput()
         span_config = span.config
         request_bytes = max_message_bytes(config.max_tokens_per_request, span_config.hidden_size)
         self.peer_memory_bytes = int(config.peer_memory_mb * 1e6) if config.peer_memory_mb else 4 * request_bytes
@@ -66,6 +68,8 @@ class Server:
             reserved_bytes=self.peer_memory_bytes,
         )  # fmt: skip
         self.dht: hivemind.DHT | None = None
+        self.budget: CacheBudget | None = None  # made on the server's event loop, in _serve
+        self.inference: InferenceSessions | None = None
 
     def run(self) -> None:
         self.dht = start_dht(
@@ -90,9 +94,30 @@ class Server:
             version=__version__,
             max_tokens_per_request=self.config.max_tokens_per_request,
             cache_tokens_total=self.cache_tokens,
-            # the live free count is not tracked here yet: the whole budget is announced
-            cache_tokens_left=self.cache_tokens,
-            inference_throughput=None,
+            cache_tokens_left=self._cache_tokens_left(),
+            inference_throughput=self.inference_throughput,
+        )
+
+    def _cache_tokens_left(self) -> int:
+        budget = self.budget
+        return self.cache_tokens if budget is None else max(0, budget.capacity - budget.used)
+
+    def describe(self) -> ServerInfo:
+        """This server now, as rpc_info answers it."""
+        cfg, limits = self.config, self.backend.limits
+        return ServerInfo(
+            start_block=cfg.start_block,
+            end_block=cfg.end_block,
+            version=__version__,
+            fingerprint=self.fingerprint,
+            dtype=cfg.dtype,
+            max_tokens_per_request=limits.max_tokens,
+            max_position=limits.max_position,
+            cache_tokens_total=self.cache_tokens,
+            cache_tokens_left=self._cache_tokens_left(),
+            sessions_open=0 if self.inference is None else self.inference.open_sessions,
+            throughput=self.throughput,
+            inference_throughput=self.inference_throughput,
         )
 
     async def _serve(self) -> None:
@@ -104,15 +129,16 @@ class Server:
         cfg = self.config
         ledger = PeerLedger(PeerLimits(self.peer_memory_bytes, cfg.max_sessions_per_peer, cfg.max_sessions,
                                        cfg.peer_cache_share))  # fmt: skip
-        inference = InferenceSessions(
+        self.budget = CacheBudget(self.cache_tokens)
+        self.inference = inference = InferenceSessions(
             self.backend,
-            CacheBudget(self.cache_tokens),
+            self.budget,
             ledger,
             alloc_timeout_s=self.config.alloc_timeout_s,
             idle_timeout_s=self.config.session_idle_timeout_s,
             chunk_tokens=self.config.inference_chunk_tokens,
         )
-        servicer = SpanHandler(self.backend, inference, self.config.request_timeout_s)
+        servicer = SpanHandler(self.backend, inference, self.config.request_timeout_s, self.describe)
         limits = StreamLimits(int(cfg.max_frame_mb * 1e6), cfg.request_timeout_s, cfg.write_timeout_s)
         await transport.register(p2p, servicer, ledger, limits)
         peer_id, addrs = p2p.peer_id.to_base58(), visible_maddrs(self.dht)
