@@ -75,6 +75,26 @@ def test_full_model_through_a_session_with_steps_of_varying_length_equals_local(
     assert torch.allclose(logits, expected, atol=LOGITS_ATOL), (logits - expected).abs().max()
 
 
+def test_a_step_longer_than_one_request_runs_in_parts_equal_to_local(
+    tiny_model_dir: Path, swarm: LocalSwarm, span: SpanModel
+) -> None:
+    hidden = randn(2, 11, HIDDEN_SIZE, seed=11)
+    mask = torch.ones(2, 11, dtype=torch.int64)
+    mask[1, :3] = 0  # a left-padded row: each part must carry the mask up to its own last token
+    with torch.inference_mode():
+        expected = span(hidden, attention_mask=mask)
+    # 8 tokens a request: a prefill of 2 x 11 tokens travels as 3 sub-steps of 2 x 4 tokens at most
+    with connected_model(tiny_model_dir, swarm, max_tokens_per_request=8) as small:
+        with small.model.layers.inference_session(max_length=12) as session:
+            out = session.step(hidden, attention_mask=mask)
+            assert session.position == 11
+            ones = torch.ones(2, 12, dtype=torch.int64)
+            last = session.step(randn(2, 1, HIDDEN_SIZE, seed=12), attention_mask=ones)
+    real = mask.bool()
+    assert torch.allclose(out[real], expected[real], atol=LOGITS_ATOL), (out - expected)[real].abs().max()
+    assert last.shape == (2, 1, HIDDEN_SIZE)
+
+
 def test_chained_sessions_on_sub_slices_equal_one_session_and_local(model, span) -> None:
     hidden = randn(1, 8, HIDDEN_SIZE, seed=1)
     layers = model.model.layers

@@ -8,8 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from swarmlm.client.remote_sequential import fitting_tokens
-from swarmlm.client.sequence_manager import SequenceManager
+from swarmlm.client.sequence_manager import SequenceManager, fitting_tokens
 from swarmlm.client.span_call import REPLY_SLACK_BYTES, Expected, check_outputs, reply_bytes
 from swarmlm.config import ClientConfig
 from swarmlm.errors import MissingBlocksError, RemoteCallError

@@ -158,7 +158,26 @@ class InferenceSession:
             raise SessionClosedError("this inference session is closed")
 
     async def astep(self, inputs: SpanTensors) -> torch.Tensor:
-        """step() on the client's loop: inputs.hidden (batch, new tokens, hidden) with what travels with it."""
+        """step() on the client's loop: inputs.hidden (batch, new tokens, hidden) with what travels with it.
+
+        A step with more tokens than one request may carry (the client's max_tokens_per_request, and what the
+        servers announce they accept) runs as consecutive sub-steps; if one fails, the session is cut back to where
+        the step began, so a step still either happens whole or not at all."""
+        batch, seq = inputs.hidden.shape[:2]
+        rows = max(1, self.manager.request_limit(self.start, self.end) // max(batch, 1))
+        if seq <= rows:
+            return await self._astep_whole(inputs)
+        began, outputs = self._position, []
+        try:
+            for begin in range(0, seq, rows):
+                outputs.append(await self._astep_whole(_tokens(inputs, begin, min(seq, begin + rows), began)))
+        except BaseException:
+            if self._position != began and not self.closed:
+                self.position = began  # the next step cuts the servers' caches back to here
+            raise
+        return torch.cat(outputs, dim=1)
+
+    async def _astep_whole(self, inputs: SpanTensors) -> torch.Tensor:
         self._check_open()
         batch, seq = inputs.hidden.shape[:2]
         if self._position + seq > self.max_length:
@@ -291,6 +310,18 @@ class InferenceSession:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _tokens(inputs: SpanTensors, begin: int, end: int, past: int) -> SpanTensors:
+    """The sub-step of tokens [begin, end) of a step that starts after `past` tokens (hypo_ids go with the first)."""
+    mask, positions = inputs.attention_mask, inputs.position_ids
+    return replace(
+        inputs,
+        hidden=inputs.hidden[:, begin:end],
+        attention_mask=None if mask is None else mask[:, : past + end],
+        position_ids=None if positions is None else positions[:, begin:end],
+        hypo_ids=inputs.hypo_ids if begin == 0 else None,
+    )
 
 
 async def _close_all(spans: list[_SpanSession]) -> None:

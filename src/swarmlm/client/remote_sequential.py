@@ -70,17 +70,6 @@ def split_batch(batch: int, seq: int, max_tokens: int) -> list[tuple[int, int]]:
     return [(i, min(i + rows, batch)) for i in range(0, batch, rows)]
 
 
-def fitting_tokens(spans: Iterable[tuple[int, int, int | None]], start: int, end: int) -> int | None:
-    """The largest request that some server of every block of [start, end) accepts, from (start, end, announced
-    limit or None for none announced) of each server; None when no block is limited (or none is served)."""
-    best: dict[int, float] = {}
-    for lo, hi, limit in spans:
-        for block in range(max(lo, start), min(hi, end)):
-            best[block] = max(best.get(block, 0), float("inf") if limit is None else limit)
-    smallest = min(best.values(), default=float("inf"))
-    return None if smallest == float("inf") else int(smallest)
-
-
 async def gather_or_cancel(coroutines: Iterable[Coroutine[Any, Any, T]]) -> list[T]:
     """The results of all coroutines, run concurrently; when one raises, the others are cancelled (their streams
     closed, their servers freed) and that error is raised."""
@@ -168,11 +157,7 @@ class RemoteSequential(nn.Module):
     ) -> list[Piece]:
         """The sub-batches (row ranges) of a batch and the arguments each one's chain carries: at most the client's
         max_tokens_per_request tokens each, and no more than the servers of every block announce they accept."""
-        manager = self.client.manager
-        announced = [(r.start, r.end, manager.max_tokens_of(peer)) for peer, r in manager.servers.items()]
-        limit = fitting_tokens(announced, self.start, self.end)
-        max_tokens = self.client.config.max_tokens_per_request
-        max_tokens = max_tokens if limit is None else min(max_tokens, limit)
+        max_tokens = self.client.manager.request_limit(self.start, self.end)
         inputs = SpanTensors(hidden, attention_mask=mask, position_ids=positions, prompts=prompts)
         return [
             (begin, end, ChainArgs(inputs.select_rows(begin, end), prompts_start=self.start))

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
@@ -32,6 +32,17 @@ async def dial(p2p: P2P, peer: PeerID, addrs: list[str]) -> None:
     The daemon wants transport addresses: the trailing /p2p/<peer id> of announced multiaddrs is dropped.
     """
     await p2p._client.connect(peer, [Multiaddr(addr.split("/p2p/")[0]) for addr in addrs])
+
+
+def fitting_tokens(spans: Iterable[tuple[int, int, int | None]], start: int, end: int) -> int | None:
+    """The largest request that some server of every block of [start, end) accepts, from (start, end, announced
+    limit or None for none announced) of each server; None when no block is limited (or none is served)."""
+    best: dict[int, float] = {}
+    for lo, hi, limit in spans:
+        for block in range(max(lo, start), min(hi, end)):
+            best[block] = max(best.get(block, 0), float("inf") if limit is None else limit)
+    smallest = min(best.values(), default=float("inf"))
+    return None if smallest == float("inf") else int(smallest)
 
 
 class SequenceManager:
@@ -97,6 +108,14 @@ class SequenceManager:
         """The per-request token limit a server announces, if it announces one."""
         limit = getattr(self.servers.get(peer_id), "max_tokens_per_request", None)
         return limit if isinstance(limit, int) and limit > 0 else None
+
+    def request_limit(self, start: int, end: int) -> int:
+        """The most tokens one request over blocks [start, end) carries: the client's own max_tokens_per_request,
+        and no more than some server of every block announces it accepts."""
+        announced = [(r.start, r.end, self.max_tokens_of(peer)) for peer, r in self.servers.items()]
+        limit = fitting_tokens(announced, start, end)
+        mine = self.config.max_tokens_per_request
+        return mine if limit is None else min(mine, limit)
 
     def can_route(self, start: int, end: int, tokens: int = 1, avoid: Collection[str] = ()) -> bool:
         """Whether a route over [start, end) exists right now without the excluded servers (never waits)."""

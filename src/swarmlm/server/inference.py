@@ -113,7 +113,8 @@ class InferenceSessions:
                 inputs = check_step(header, tensors, self.backend.limits, session, past)
             except ProtocolError as e:
                 logger.warning("inference step rejected peer=...%s: %s", peer, short(str(e)))
-                yield _reply(ReplyHeader(ok=False, error=short(str(e)), error_kind="bad_request"))
+                kind = getattr(e, "error_kind", "bad_request")  # too_large: over this server's own limits
+                yield _reply(ReplyHeader(ok=False, error=short(str(e)), error_kind=kind))
                 continue  # the cache is untouched: the session goes on
             before = _lengths(cache, session)
             try:

@@ -9,6 +9,7 @@ import torch
 from swarmlm.errors import ProtocolError
 from swarmlm.protocol.bundle import SpanTensors
 from swarmlm.protocol.messages import BackwardRequest, ForwardRequest, InferenceOpen, InferenceStep
+from swarmlm.server.peers import LimitError
 
 # dtypes hidden states may arrive in; the server computes in its own dtype and answers in the sender's
 HIDDEN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -59,8 +60,9 @@ def check_hidden(
         )
     tokens = hidden.shape[0] * hidden.shape[1]
     if tokens > limits.max_tokens:
-        raise ProtocolError(
-            f"{what} carries {tokens} tokens, more than this server's limit of {limits.max_tokens}: split the batch"
+        raise LimitError(
+            f"{what} carries {tokens} tokens, more than this server's limit of {limits.max_tokens}: split the batch",
+            "too_large",  # another server may accept it
         )
     if not torch.isfinite(hidden).all():
         raise ProtocolError(f"{what} contains NaN or infinite values")
