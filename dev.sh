@@ -21,7 +21,7 @@ setup() {
 case "${1:-}" in
     setup) setup ;;
     demo) setup; shift; exec "$VENV/bin/swarmlm" demo "$@" ;;
-    test) setup; shift; "$VENV/bin/ruff" check src tests bench; exec "$PY" -m pytest "$@" ;;
+    test) setup; shift; "$VENV/bin/ruff" check src tests bench; "$VENV/bin/mypy"; exec "$PY" -m pytest "$@" ;;
     bench) setup; shift; exec "$PY" bench/run.py "$@" ;;
     *) echo "usage: ./dev.sh setup|demo|test|bench [args...]" >&2; exit 2 ;;
 esac

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import sys
 import time
+from typing import Any
 
 import torch
 from transformers import TextStreamer
 
-from swarmlm.client.model import AutoDistributedModelForCausalLM
+from swarmlm.client.model import AutoDistributedModelForCausalLM, DistributedCausalLMMixin
 from swarmlm.local_swarm import start_even_swarm
 from swarmlm.models.loading import load_config, load_tokenizer, resolve_model
 
@@ -36,7 +37,10 @@ def run_demo(
     print("Swarm stopped.")
 
 
-def _generate(model: torch.nn.Module, tokenizer: object, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+# tokenizers are typed Any: the methods of transformers' tokenizers return unions that depend on their flags
+def _generate(
+    model: DistributedCausalLMMixin, tokenizer: Any, input_ids: torch.Tensor, max_new_tokens: int
+) -> torch.Tensor:
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     began = time.perf_counter()
     output = model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False, streamer=streamer)
@@ -46,14 +50,14 @@ def _generate(model: torch.nn.Module, tokenizer: object, input_ids: torch.Tensor
     return output
 
 
-def _answer(model: torch.nn.Module, tokenizer: object, prompt: str, max_new_tokens: int) -> None:
+def _answer(model: DistributedCausalLMMixin, tokenizer: Any, prompt: str, max_new_tokens: int) -> None:
     messages = [{"role": "user", "content": prompt}]
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     print(f"\nUser: {prompt}\nAssistant: ", end="", flush=True)
     _generate(model, tokenizer, ids["input_ids"], max_new_tokens)
 
 
-def _interactive(model: torch.nn.Module, tokenizer: object, max_new_tokens: int) -> None:
+def _interactive(model: DistributedCausalLMMixin, tokenizer: Any, max_new_tokens: int) -> None:
     """A chat in one inference session: each turn sends only its own tokens; the servers keep the rest."""
     print("\nChat with the swarm (an empty line or Ctrl-D ends it).")
     conversation: list[dict[str, str]] = []

@@ -111,6 +111,8 @@ class LocalSwarm:
     @staticmethod
     def _pump(server: LocalServer) -> None:
         # copy the server's output to its log and notice the ready line
+        if server.process.stdout is None:
+            raise ValueError("the server was started without a pipe for its output")
         with open(server.log_path, "w") as log:
             for line in server.process.stdout:
                 log.write(line)
@@ -170,6 +172,6 @@ def start_even_swarm(model_dir: str, num_blocks: int, num_servers: int) -> Local
         swarm.close()
         raise
     for server in swarm.servers:
-        where = f"server ...{server.peer_id[-6:]} (pid {server.process.pid})"
+        where = f"server ...{(server.peer_id or '?')[-6:]} (pid {server.process.pid})"
         print(f"  {where} serves blocks {server.start}:{server.end}", flush=True)
     return swarm

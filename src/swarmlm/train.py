@@ -7,6 +7,7 @@ import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -41,7 +42,8 @@ def split_examples(examples: Sequence[Example], held_out: int, seed: int = 0) ->
 class SentimentTask:
     """Turns examples into chat-formatted token batches whose loss covers the one-word answer only."""
 
-    def __init__(self, tokenizer: object):
+    # a transformers tokenizer (typed Any: its methods return unions that depend on their flags)
+    def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
         # the answers' first tokens: classification compares their logits after the prompt
         self.label_ids = [tokenizer(label, add_special_tokens=False).input_ids[0] for label in LABELS]
@@ -133,11 +135,11 @@ def run_training(options: TrainOptions) -> tuple[float, float]:
     model_dir = resolve_model(options.model)
     train_set, held_out = split_examples(load_examples(), options.held_out)
     task = SentimentTask(load_tokenizer(model_dir))
-    swarm = None
-    if not options.initial_peers:
+    swarm, peers = None, options.initial_peers
+    if not peers:
         print(f"Starting {options.servers} local servers for {options.model} ...", flush=True)
         swarm = start_even_swarm(str(model_dir), load_config(model_dir).num_hidden_layers, options.servers)
-    peers = options.initial_peers or tuple(swarm.initial_peers)
+        peers = tuple(swarm.initial_peers)
     try:
         with AutoDistributedModelForCausalLM.from_pretrained(
             str(model_dir), initial_peers=peers, tuning_mode=options.tuning_mode, pre_seq_len=options.pre_seq_len

@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
-from transformers.utils import ModelOutput
 
 from swarmlm.client.inference import InferenceSession
+
+if TYPE_CHECKING:
+    from transformers import GenerationMixin, PreTrainedModel
+
+    from swarmlm.client.prompts import PromptTuning
+    from swarmlm.models.registry import ModelFamily
+
+    class _ModelBase(PreTrainedModel, GenerationMixin):
+        """The mixins are only ever mixed into a Hugging Face causal LM class: its attributes and generate()."""
+
+else:
+    _ModelBase = object
 
 # new tokens generate() makes when neither max_new_tokens nor max_length says otherwise (Hugging Face's default)
 DEFAULT_MAX_NEW_TOKENS = 20
@@ -54,10 +65,14 @@ def _continues(inputs: torch.Tensor, previous: torch.Tensor) -> bool:
     )
 
 
-class RemoteGenerationMixin:
+class RemoteGenerationMixin(_ModelBase):
     """Hugging Face generate() on top of InferenceSession; mixed into the distributed causal LM classes."""
 
     _active_sessions: list[InferenceSession]
+    if TYPE_CHECKING:  # set by DistributedCausalLMMixin, and the HF decoder of the class mixed into
+        family: ModelFamily
+        prompt_tuning: PromptTuning | None
+        model: Any  # the family's decoder: embeddings, rotary_emb, norm, and layers (a RemoteSequential)
 
     def inference_session(self, max_length: int) -> InferenceSession:
         """A session over all blocks holding up to max_length tokens (prompt included). generate(session=...) uses
@@ -111,17 +126,17 @@ class RemoteGenerationMixin:
         elif inputs is None:
             raise ValueError("generate() needs input_ids: the session has no output to continue")
         result = super().generate(inputs, *args, session=session, **kwargs)
-        sequences = result.sequences if isinstance(result, ModelOutput) else result
+        sequences = result if isinstance(result, torch.Tensor) else result.sequences  # a tensor or a ModelOutput
         session.output_ids, session.output_mask = sequences, None
         mask = kwargs.get("attention_mask")
         if mask is not None and len(mask) == len(sequences):
             extra = torch.ones(len(mask), sequences.shape[1] - mask.shape[1], dtype=mask.dtype, device=mask.device)
             session.output_mask = torch.cat([mask, extra], dim=1)
         if skipped:
-            if isinstance(result, ModelOutput):
-                result.sequences = sequences[:, skipped:]
-            else:
+            if isinstance(result, torch.Tensor):
                 result = sequences[:, skipped:]
+            else:
+                result.sequences = sequences[:, skipped:]
         return result
 
     def _session_forward(

@@ -194,6 +194,8 @@ class InferenceSession:
         await self._repair(retry)
         hidden = await self._run_spans(inputs, retry)
         for span_session in self._spans:
+            if span_session.pending is None:  # _run_spans leaves every span holding the step it ran
+                raise RuntimeError(f"inference span {span_session.span.start}:{span_session.span.end} ran no step")
             if seq or inputs.hypo_ids is not None:  # an empty step that only cut the caches leaves no trace
                 span_session.history.append(span_session.pending)
             span_session.pending = None
@@ -268,6 +270,8 @@ class InferenceSession:
 
     async def _rebuild(self, lost: _SpanSession, retry: RetryBudget) -> list[_SpanSession]:
         """Sessions on a new route for the lost span's blocks, their caches rebuilt from the steps it had committed."""
+        if self.batch_size is None:
+            raise RuntimeError("only a span of an open inference route can be rebuilt")
         while True:
             replacement = await self._open_chain(lost.span.start, lost.span.end, self.batch_size, retry)
             try:

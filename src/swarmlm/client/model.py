@@ -5,10 +5,11 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import fields
-from typing import Any
+from pathlib import Path
+from typing import Any, cast
 
 import torch
-from transformers import PretrainedConfig, PreTrainedModel
+from transformers import PretrainedConfig
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from swarmlm.client.generation import RemoteGenerationMixin
@@ -52,7 +53,7 @@ class DistributedCausalLMMixin(RemoteGenerationMixin):
         tuning_mode: str | None = None,
         pre_seq_len: int = 16,
         **client_options: Any,
-    ) -> PreTrainedModel:
+    ) -> DistributedCausalLMMixin:
         """Load the local parts of `model` (a name, .gguf or HF folder) and connect to the swarm serving its blocks.
 
         dtype is that of the local parts ("auto": the checkpoint's); torch_dtype is its older name, as in Petals.
@@ -89,7 +90,7 @@ class DistributedCausalLMMixin(RemoteGenerationMixin):
         instance.model.layers = RemoteSequential(client)
         return instance
 
-    def _load_local_parts(self, model_dir: os.PathLike, dtype: torch.dtype) -> None:
+    def _load_local_parts(self, model_dir: Path, dtype: torch.dtype) -> None:
         tensors = load_tensors(model_dir, self.family.client_tensor_prefixes, dtype=dtype)
         missing, unexpected = self.load_state_dict(tensors, strict=False, assign=True)
         if unexpected:
@@ -109,7 +110,7 @@ class DistributedCausalLMMixin(RemoteGenerationMixin):
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
+        position_ids: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         logits_to_keep: int | torch.Tensor = 0,
@@ -185,15 +186,16 @@ class DistributedCausalLMMixin(RemoteGenerationMixin):
         self.close()
 
 
-_CLASSES: dict[str, type] = {}
+_CLASSES: dict[str, type[DistributedCausalLMMixin]] = {}
 
 
-def distributed_class(family: ModelFamily) -> type:
+def distributed_class(family: ModelFamily) -> type[DistributedCausalLMMixin]:
     """The Distributed<Family>ForCausalLM class of a family (e.g. DistributedLlamaForCausalLM), made once."""
     if family.model_type not in _CLASSES:
         base = family.causal_lm_class
         name = f"Distributed{base.__name__}"
-        _CLASSES[family.model_type] = type(name, (DistributedCausalLMMixin, base), {"family": family})
+        made = type(name, (DistributedCausalLMMixin, base), {"family": family})
+        _CLASSES[family.model_type] = cast("type[DistributedCausalLMMixin]", made)
     return _CLASSES[family.model_type]
 
 
@@ -201,5 +203,5 @@ class AutoDistributedModelForCausalLM:
     """Picks the distributed class from the model's config, like transformers' AutoModelForCausalLM."""
 
     @staticmethod
-    def from_pretrained(model: str | os.PathLike, **kwargs: Any) -> PreTrainedModel:
-        return DistributedCausalLMMixin.from_pretrained.__func__(DistributedCausalLMMixin, model, **kwargs)
+    def from_pretrained(model: str | os.PathLike, **kwargs: Any) -> DistributedCausalLMMixin:
+        return DistributedCausalLMMixin.from_pretrained(model, **kwargs)

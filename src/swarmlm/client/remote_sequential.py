@@ -212,7 +212,7 @@ class _RemoteBlocks(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: torch.autograd.function.FunctionCtx,
+        ctx: Any,  # autograd's context: forward stores what backward needs as its attributes
         hidden: torch.Tensor,
         prompts: torch.Tensor | None,
         blocks: RemoteSequential,
@@ -228,7 +228,7 @@ class _RemoteBlocks(torch.autograd.Function):
         return output.to(hidden.device, hidden.dtype)
 
     @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, grad_output: torch.Tensor) -> tuple:
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple:
         blocks: RemoteSequential = ctx.blocks
         grad_hidden, grad_prompts = blocks.client.loop.run(
             blocks._backward(grad_output.detach().cpu().float(), ctx.pieces, ctx.hops)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
 from typing import Literal, NamedTuple
 
 import torch
@@ -16,7 +16,7 @@ from swarmlm.client.sequence_manager import SequenceManager
 from swarmlm.errors import BadRequestError, ProtocolError, RemoteCallError
 from swarmlm.protocol import service
 from swarmlm.protocol.codec import encode, read_message, read_only_message
-from swarmlm.protocol.messages import InfoRequest, ReplyHeader, ServerInfo, _Header
+from swarmlm.protocol.messages import InferenceOpen, InfoRequest, ReplyHeader, ServerInfo, _Header
 
 # a reply may carry this many bytes beyond its expected tensors (bf16 travels widened to float32; chunk framing)
 REPLY_SLACK_BYTES = 64 << 10
@@ -169,7 +169,7 @@ class SpanStream:
         self.manager, self.peer_id, self.method = manager, peer_id, method
         self._blocks = 0  # blocks of the session, known from its opening message
         self._queue: asyncio.Queue[runtime_pb2.ExpertRequest | None] = asyncio.Queue()
-        self._replies: AsyncIterator[runtime_pb2.ExpertResponse] | None = None
+        self._replies: AsyncGenerator[runtime_pb2.ExpertResponse, None] | None = None
 
     async def _requests(self) -> AsyncIterator[runtime_pb2.ExpertRequest]:
         while (part := await self._queue.get()) is not None:
@@ -182,7 +182,7 @@ class SpanStream:
         hidden states, shaped like the input hidden states; none for a message without tensors)."""
         if expected is None:
             expected = [Expected.like(tensors[0])] if tensors else []
-        if hasattr(header, "end_block"):  # the opening message: the session's blocks, to cost its steps
+        if isinstance(header, InferenceOpen):  # the opening message: the session's blocks, to cost its steps
             self._blocks = header.end_block - header.start_block
         began = time.perf_counter()
         timeout_s = self.manager.config.request_timeout_s

@@ -306,8 +306,9 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
             )
             bar.update()
             # the GGUF quantizer marks the model as quantized, and save_pretrained refuses to serialize it
-            if getattr(model, "hf_quantizer", None) is not None:
-                model.hf_quantizer.remove_quantization_config(model)
+            quantizer = getattr(model, "hf_quantizer", None)
+            if quantizer is not None:
+                quantizer.remove_quantization_config(model)
             bar.set_postfix_str("save weights")
             # transformers 5 always writes safetensors (its safe_serialization switch is gone and would be ignored)
             model.save_pretrained(str(out_dir))

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
+from transformers import Cache, PretrainedConfig
 from transformers.masking_utils import create_causal_mask
 
 from swarmlm.errors import ModelLoadError
@@ -60,7 +60,7 @@ class SpanModel(nn.Module):
         end: int | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
-        cache: object | None = None,
+        cache: Cache | None = None,
         prompts: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run blocks [start, end) (default: the whole span) over hidden (batch, seq, hidden).

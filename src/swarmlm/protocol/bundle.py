@@ -17,7 +17,7 @@ from swarmlm.errors import ProtocolError
 
 TensorName = Literal["hidden", "grad_outputs", "attention_mask", "position_ids", "hypo_ids", "prompts"]
 # wire order of the tensors of a message: the order of SpanTensors' fields
-WIRE_ORDER: tuple[str, ...] = get_args(TensorName)
+WIRE_ORDER: tuple[TensorName, ...] = get_args(TensorName)
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class SpanTensors:
     hypo_ids: torch.Tensor | None = None  # (batch,) cache rows to reorder to before an inference step (beam search)
     prompts: torch.Tensor | None = None  # deep prompts (blocks, prefix, hidden), or per sample (blocks, batch, ...)
 
-    def names(self) -> list[str]:
+    def names(self) -> list[TensorName]:
         """Names of the tensors present, in wire order (the header's `tensors` field)."""
         return [name for name in WIRE_ORDER if getattr(self, name) is not None]
 
@@ -51,12 +51,11 @@ class SpanTensors:
         """The bundle of batch rows [begin, end) (hypo_ids, which index rows, cannot be split)."""
         if self.hypo_ids is not None:
             raise ValueError("a bundle with hypo_ids cannot be split into rows")
-        per_sample = self.prompts is not None and self.prompts.ndim == 4
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         for name in ("hidden", "grad_outputs", "attention_mask", "position_ids"):
             if values[name] is not None:
                 values[name] = values[name][begin:end]
-        if per_sample:
+        if self.prompts is not None and self.prompts.ndim == 4:  # per sample
             values["prompts"] = self.prompts[:, begin:end]
         return SpanTensors(**values)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import TypeVar
+from typing import TypeAlias, TypeVar
 
 import msgpack
 import torch
@@ -38,7 +38,7 @@ WIRE_COMPRESSION = {runtime_pb2.CompressionType.NONE}
 _WIRE_ITEM_BYTES = {"float32": (4,), "float16": (2,), "bfloat16": (2, 4), "int64": (8,), "int32": (4,), "bool": (1,)}
 
 H = TypeVar("H", bound=_Header)
-Part = runtime_pb2.ExpertRequest | runtime_pb2.ExpertResponse
+Part: TypeAlias = runtime_pb2.ExpertRequest | runtime_pb2.ExpertResponse
 
 
 def encode(header: _Header, tensors: Sequence[torch.Tensor], part_type: type[Part]) -> Iterator[Part]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -21,13 +21,17 @@ class _Header(BaseModel):
     protocol_version: int = PROTOCOL_VERSION
 
 
+def _hidden_only() -> list[TensorName]:
+    return ["hidden"]
+
+
 class _TensorsHeader(_Header):
     """A header followed by a SpanTensors bundle: `tensors` names what follows, in wire order (protocol.bundle)."""
 
     # the tensors this kind of message may carry
     ALLOWED: ClassVar[tuple[str, ...]] = ("hidden",)
 
-    tensors: list[TensorName] = Field(default_factory=lambda: ["hidden"], strict=False)
+    tensors: list[TensorName] = Field(default_factory=_hidden_only, strict=False)
 
     @field_validator("tensors")
     @classmethod
@@ -109,7 +113,10 @@ class ReplyHeader(_Header):
     compute_ms: float = 0.0
 
 
-def parse_header(data: dict[str, object], expected: type[_Header]) -> _Header:
+H = TypeVar("H", bound=_Header)
+
+
+def parse_header(data: dict[str, object], expected: type[H]) -> H:
     """Validate a decoded header dict; raise ProtocolError with a readable reason on any mismatch."""
     if not isinstance(data, dict):
         raise ProtocolError(f"header must be a mapping, got {type(data).__name__}")

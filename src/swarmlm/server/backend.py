@@ -51,7 +51,7 @@ class SpanBackend:
                 wrt = [hidden] if prompts is None else [hidden, prompts]
                 grad_outputs = inputs.grad_outputs.to(self.device, self.dtype)
                 results = list(torch.autograd.grad(out, wrt, grad_outputs=grad_outputs))
-                answer_dtypes = [inputs.hidden.dtype] + ([] if prompts is None else [inputs.prompts.dtype])
+                answer_dtypes = [inputs.hidden.dtype] + ([] if inputs.prompts is None else [inputs.prompts.dtype])
             else:
                 results, answer_dtypes = [out], [inputs.hidden.dtype]
             results = [r.detach().to("cpu", dtype) for r, dtype in zip(results, answer_dtypes, strict=True)]
@@ -78,7 +78,8 @@ class SpanBackend:
             if start_from is not None and start_from < cache.get_seq_length(start):
                 cache.crop(start_from - cache.get_seq_length(start))  # a negative count: tokens to drop
             if inputs.hypo_ids is not None:
-                cache.reorder_cache(inputs.hypo_ids.to(self.device))
+                # transformers annotates beam_idx as torch.LongTensor, a legacy type no tensor is inferred as
+                cache.reorder_cache(inputs.hypo_ids.to(self.device))  # type: ignore[arg-type]
             hidden = inputs.hidden.to(self.device, self.dtype)
             prompts = None if inputs.prompts is None else inputs.prompts.to(self.device, self.dtype)
             batch, seq = hidden.shape[:2]

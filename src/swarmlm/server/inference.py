@@ -44,10 +44,9 @@ class InferenceSessions:
         try:
             session = await self._open(requests, peer)
         except (ProtocolError, ServerBusyError, TimeoutError) as e:
-            kind = getattr(e, "error_kind", "bad_request")
             text = short(str(e) or "no open message in time")
             logger.warning("inference open refused peer=...%s: %s", peer[-6:], text)
-            yield _reply(ReplyHeader(ok=False, error=text, error_kind=kind))
+            yield _reply(ReplyHeader(ok=False, error=text, error_kind=getattr(e, "error_kind", "bad_request")))
             await self._drain(requests)
             return
         if session is None:
@@ -100,8 +99,9 @@ class InferenceSessions:
                 logger.info("inference session idle for %.0f s, closing peer=...%s", self.idle_timeout_s, peer)
                 return
             except ProtocolError as e:
-                kind = getattr(e, "error_kind", "bad_request")
-                yield _reply(ReplyHeader(ok=False, error=short(str(e)), error_kind=kind))
+                yield _reply(
+                    ReplyHeader(ok=False, error=short(str(e)), error_kind=getattr(e, "error_kind", "bad_request"))
+                )
                 await self._drain(requests)
                 return  # the stream itself is broken: nothing after this can be parsed
             if message is None:
@@ -113,8 +113,10 @@ class InferenceSessions:
                 inputs = check_step(header, tensors, self.backend.limits, session, past)
             except ProtocolError as e:
                 logger.warning("inference step rejected peer=...%s: %s", peer, short(str(e)))
-                kind = getattr(e, "error_kind", "bad_request")  # too_large: over this server's own limits
-                yield _reply(ReplyHeader(ok=False, error=short(str(e)), error_kind=kind))
+                # too_large: over this server's own limits (another server may take it)
+                yield _reply(
+                    ReplyHeader(ok=False, error=short(str(e)), error_kind=getattr(e, "error_kind", "bad_request"))
+                )
                 continue  # the cache is untouched: the session goes on
             before = _lengths(cache, session)
             try:

@@ -121,6 +121,8 @@ class Server:
         )
 
     async def _serve(self) -> None:
+        if self.dht is None:
+            raise RuntimeError("the server's DHT is started by run()")
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
@@ -44,7 +44,9 @@ TENSORS_FIELD = 2
 # our parts have 1-3 top-level fields; a frame of thousands of tiny fields is refused without parsing it
 MAX_FIELDS_PER_PART = 64
 
-Handler = Callable[[AsyncIterator[runtime_pb2.ExpertRequest], P2PContext], AsyncIterator[runtime_pb2.ExpertResponse]]
+# handlers are async generators: closing one runs its cleanup
+Replies = AsyncGenerator[runtime_pb2.ExpertResponse, None]
+Handler = Callable[[AsyncIterator[runtime_pb2.ExpertRequest], P2PContext], Replies]
 
 
 @dataclass(frozen=True)
@@ -212,7 +214,7 @@ async def _serve_stream(
 
 
 async def _answer(
-    replies: AsyncIterator[runtime_pb2.ExpertResponse], stream: _Stream, writer: asyncio.StreamWriter,
+    replies: Replies, stream: _Stream, writer: asyncio.StreamWriter,
     limits: StreamLimits,
 ) -> None:  # fmt: skip
     """Send the handler's replies, each within the write deadline; a peer that does not read loses the stream."""
@@ -226,7 +228,7 @@ async def _answer(
 
 
 async def _send_all(
-    replies: AsyncIterator[runtime_pb2.ExpertResponse], stream: _Stream, writer: asyncio.StreamWriter,
+    replies: Replies, stream: _Stream, writer: asyncio.StreamWriter,
     limits: StreamLimits,
 ) -> None:  # fmt: skip
     async with contextlib.aclosing(replies):  # closing runs the handler's cleanup (session and budget release)

@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ def kill_group_when_orphaned(parent_pid: int) -> None:
     threading.Thread(target=watch, name="orphan-watch", daemon=True).start()
 
 
-def spawn_bound(args: Sequence[str], **popen_kwargs: object) -> subprocess.Popen:
+def spawn_bound(args: Sequence[str], **popen_kwargs: Any) -> subprocess.Popen:
     """Popen whose child receives SIGTERM if this process dies; the child then shuts down in order."""
     # the death signal is tied to the forking thread, so spawn from the thread that will live longest
     return subprocess.Popen(list(args), preexec_fn=set_parent_death_signal, **popen_kwargs)  # noqa: PLW1509
