@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -102,7 +103,9 @@ def test_malformed_records_are_rejected_and_ignored(tiny_model_dir: Path, refere
         hostile.store(key, _record(), expiration, subkey="not-a-peer-id")
         hostile.store(key, _record(addrs=["garbage", "/ip4/999.1.1.1/tcp/x"]), expiration, subkey=own)
         hostile.store(key, b"\x00garbage", expiration, subkey=own + "x")
-        hostile.store(key, ["not", "a", "record"], expiration, subkey=12345)
+        # (the attacker's own node may refuse to mix an int subkey with string ones it has seen: no matter)
+        with contextlib.suppress(TypeError):
+            hostile.store(key, ["not", "a", "record"], expiration, subkey=12345)
         hostile.store(key, "a plain value to replace the dictionary", expiration + 600)
         # honest nodes (the bootstrap node and the servers) refused all of it
         stored = swarm.dht.get(key, latest=True).value

@@ -29,7 +29,10 @@ MISSING_BLOCKS_TIMEOUT_S = 2.0
 
 @pytest.fixture(scope="module")
 def swarm(tiny_model_dir: Path) -> Iterator[LocalSwarm]:
-    extra_args = ["--cache-tokens", str(CACHE_TOKENS), "--alloc-timeout", str(ALLOC_TIMEOUT_S)]
+    # one client fills the whole cache here: its share may be all of it
+    extra_args = [
+        "--cache-tokens", str(CACHE_TOKENS), "--alloc-timeout", str(ALLOC_TIMEOUT_S), "--peer-cache-share", "1"
+    ]  # fmt: skip
     spans = [(0, 2), (2, 4), (4, NUM_BLOCKS), (2, NUM_BLOCKS)]  # blocks 2:5 have two servers
     with running_swarm(tiny_model_dir, spans, extra_args=extra_args) as swarm:
         yield swarm

@@ -102,12 +102,19 @@ class _Stream:
                 item = await self._read_frame()
                 await self.queue.put(item)
                 if item is None:
-                    return
+                    break
         except _EndOfFrames:
             self.vanished = True
             await self.queue.put(None)
+            return
         except ProtocolError as e:
             await self.queue.put(e)
+            return
+        # the request has ended cleanly; hivemind's clients keep the connection open until they have read every
+        # reply, so a connection closed now (or anything more sent) means the caller gave up: stop working for it
+        with contextlib.suppress(ConnectionError):
+            await self.reader.read(1)
+        self.vanished = True
 
     async def _read_frame(self) -> tuple[runtime_pb2.ExpertRequest, int] | None:
         try:
