@@ -8,8 +8,9 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class ServerConfig:
     model: str  # model name, .gguf file or Hugging Face folder
-    start_block: int  # first block served
-    end_block: int  # one past the last block served
+    start_block: int = 0  # first block served (ignored when num_blocks is given)
+    end_block: int = 0  # one past the last block served (ignored when num_blocks is given)
+    num_blocks: int | None = None  # serve this many consecutive blocks where the swarm is weakest, and rebalance
     initial_peers: tuple[str, ...] = ()  # multiaddrs of DHT peers to join
     new_swarm: bool = False  # start a fresh DHT instead of joining one
     host: str = "0.0.0.0"  # interface to listen on
@@ -32,6 +33,9 @@ class ServerConfig:
     max_sessions: int = 256  # inference sessions all peers together may hold open
     peer_cache_share: float = 0.5  # fraction of the KV-cache budget one peer may hold
     write_timeout_s: float = 30.0  # a peer that does not read a reply for this long loses its stream
+    drain_timeout_s: float = 30.0  # on leaving (or moving), open inference sessions may finish for this long
+    rebalance_interval_s: float = 60.0  # how often a num_blocks server checks whether to move (0: never)
+    balance_quality: float = 0.75  # move when the swarm's bottleneck < quality * its bottleneck after the move
     max_frame_mb: float = 4.0  # largest frame (protobuf part) a peer may send, in MB (ours carry <= 1 MiB of tensors)
 
 
