@@ -22,10 +22,11 @@ from swarmlm.utils.processes import spawn_bound
 logger = logging.getLogger(__name__)
 
 READY_LINE = "Server ready: peer "
+SERVING_LINE = "Serving blocks "  # then START:END; printed again after each move
 # a server loads its blocks, measures itself and joins the DHT within this time on a small machine
 SERVER_START_TIMEOUT_S = 180.0
-# SIGTERM grace period before a server is killed
-SERVER_STOP_TIMEOUT_S = 20.0
+# SIGTERM grace period before a server is killed: its drain (--drain-timeout, 30 s by default) and a margin
+SERVER_STOP_TIMEOUT_S = 40.0
 
 
 def even_spans(num_blocks: int, num_servers: int) -> list[tuple[int, int]]:
@@ -71,20 +72,25 @@ class LocalSwarm:
         self.initial_peers = visible_maddrs(self.dht)
         self.servers: list[LocalServer] = []
 
-    def add_server(self, start: int, end: int, *, wait: bool = True) -> LocalServer:
+    def add_server(
+        self, start: int = 0, end: int = 0, *, num_blocks: int | None = None, wait: bool = True,
+        extra_args: Sequence[str] = (),
+    ) -> LocalServer:  # fmt: skip
+        """A server for blocks start:end, or for num_blocks blocks it chooses (its start and end follow its moves)."""
+        span = ["--num-blocks", str(num_blocks)] if num_blocks is not None else ["--blocks", f"{start}:{end}"]
         args = [
             sys.executable,
             "-m",
             "swarmlm.cli.main",
             "serve",
             str(self.model),
-            "--blocks",
-            f"{start}:{end}",
+            *span,
             "--host",
             "127.0.0.1",
             "--initial-peers",
             *self.initial_peers,
             *self.extra_args,
+            *extra_args,
         ]
         if self.cache_dir:
             args += ["--cache-dir", str(self.cache_dir)]
@@ -92,7 +98,7 @@ class LocalSwarm:
             args += ["--dht-prefix", self.dht_prefix]
         if self.threads_per_server:
             args += ["--num-threads", str(self.threads_per_server)]
-        log_path = self.log_dir / f"server-{len(self.servers)}-{start}-{end}.log"
+        log_path = self.log_dir / f"server-{len(self.servers)}-{'-'.join(span[1:]).replace(':', '-')}.log"
         # co-located servers share the cores: OpenMP threads that spin after their work would slow the next server
         env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, "PYTHONUNBUFFERED": "1"}
         process = spawn_bound(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
@@ -117,6 +123,9 @@ class LocalSwarm:
             for line in server.process.stdout:
                 log.write(line)
                 log.flush()
+                if line.startswith(SERVING_LINE):
+                    start, end = line[len(SERVING_LINE) :].split(maxsplit=1)[0].split(":")
+                    server.start, server.end = int(start), int(end)
                 if line.startswith(READY_LINE):
                     server.peer_id = line[len(READY_LINE) :].strip()
                     server._ready.set()

@@ -34,7 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="serve a span of a model's blocks")
     serve.add_argument("model", help=f"model name ({DEFAULT_MODEL}), .gguf file or Hugging Face folder")
-    serve.add_argument("--blocks", type=parse_blocks, required=True, metavar="START:END", help="blocks to serve")
+    span = serve.add_mutually_exclusive_group(required=True)
+    span.add_argument("--blocks", type=parse_blocks, metavar="START:END", help="blocks to serve")
+    span.add_argument(
+        "--num-blocks", type=int, metavar="N", help="serve N consecutive blocks where the swarm is weakest (and move)"
+    )
     serve.add_argument("--new-swarm", action="store_true", help="start a new swarm instead of joining one")
     _add_network_args(serve)
     serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -73,6 +77,28 @@ def build_parser() -> argparse.ArgumentParser:
         default=ServerConfig.write_timeout_s,
         help="seconds a reply may wait for the peer to read it before its stream is closed",
     )
+    serve.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=ServerConfig.drain_timeout_s,
+        help="seconds open inference sessions may go on when the server leaves or moves (then they are closed)",
+    )
+    serve.add_argument(
+        "--rebalance-interval",
+        type=float,
+        default=ServerConfig.rebalance_interval_s,
+        help="seconds between checks whether a --num-blocks server should move (0: never)",
+    )
+    serve.add_argument(
+        "--balance-quality",
+        type=float,
+        default=ServerConfig.balance_quality,
+        help="move when the swarm's bottleneck throughput < this * its bottleneck after the move",
+    )
+    serve.add_argument("--announce-interval", type=float, default=ServerConfig.announce_interval_s,
+                       help="seconds between refreshes of the DHT record")  # fmt: skip
+    serve.add_argument("--record-ttl", type=float, default=ServerConfig.record_ttl_s,
+                       help="seconds a record lives unrefreshed (a crashed server is forgotten then)")  # fmt: skip
     serve.add_argument("--max-frame-mb", type=float, default=ServerConfig.max_frame_mb, help="largest frame accepted")
 
     dht = sub.add_parser("dht", help="run a bootstrap-only DHT node that others join")
@@ -122,8 +148,9 @@ def _serve(args: argparse.Namespace) -> None:
 
     config = ServerConfig(
         model=args.model,
-        start_block=args.blocks[0],
-        end_block=args.blocks[1],
+        start_block=args.blocks[0] if args.blocks else 0,
+        end_block=args.blocks[1] if args.blocks else 0,
+        num_blocks=args.num_blocks,
         initial_peers=tuple(args.initial_peers),
         new_swarm=args.new_swarm,
         host=args.host,
@@ -143,6 +170,11 @@ def _serve(args: argparse.Namespace) -> None:
         peer_cache_share=args.peer_cache_share,
         write_timeout_s=args.write_timeout,
         max_frame_mb=args.max_frame_mb,
+        drain_timeout_s=args.drain_timeout,
+        rebalance_interval_s=args.rebalance_interval,
+        balance_quality=args.balance_quality,
+        announce_interval_s=args.announce_interval,
+        record_ttl_s=args.record_ttl,
     )
     Server(config).run()
 

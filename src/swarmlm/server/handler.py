@@ -37,6 +37,7 @@ class SpanHandler:
         self.max_request_bytes = max_message_bytes(backend.limits.max_tokens, backend.limits.hidden_size)
         self.served = 0  # requests answered successfully
         self.rejected = 0  # requests refused as bad or failed on this server
+        self.in_flight = 0  # forward/backward requests being computed now (a draining server lets them finish)
 
     async def rpc_forward(self, requests: Parts, context: P2PContext) -> Replies:
         async for part in self._serve(requests, context, ForwardRequest):
@@ -72,7 +73,11 @@ class SpanHandler:
                 raise ProtocolError("empty request stream")
             header, tensors = message
             inputs = check_span_request(header, tensors, self.backend.limits)
-            outputs, compute_ms = await self.backend.run(header.start_block, header.end_block, inputs)
+            self.in_flight += 1
+            try:
+                outputs, compute_ms = await self.backend.run(header.start_block, header.end_block, inputs)
+            finally:
+                self.in_flight -= 1
             reply = ReplyHeader(ok=True, compute_ms=compute_ms)
             self.served += 1
             tokens = inputs.hidden.shape[0] * inputs.hidden.shape[1]

@@ -16,7 +16,7 @@ from swarmlm.protocol.codec import drain, encode, read_message
 from swarmlm.protocol.messages import InferenceOpen, InferenceStep, ReplyHeader
 from swarmlm.server.backend import SpanBackend
 from swarmlm.server.cache import CacheBudget, ServerBusyError
-from swarmlm.server.peers import PeerLedger, short, where
+from swarmlm.server.peers import LimitError, PeerLedger, short, where
 from swarmlm.server.validation import check_open, check_step, max_message_bytes
 
 logger = logging.getLogger(__name__)
@@ -38,6 +38,20 @@ class InferenceSessions:
         self.chunk_tokens = chunk_tokens
         self.max_message_bytes = max_message_bytes(backend.limits.max_tokens, backend.limits.hidden_size)
         self.open_sessions = 0
+        self.accepting = True  # False while the server drains: new sessions are refused as busy
+        self._closing = asyncio.Event()  # set to close every open session (each is told "busy" and rebuilt elsewhere)
+
+    def stop_accepting(self) -> None:
+        self.accepting = False
+
+    def close_all(self) -> None:
+        """Close every open session at its next read; new sessions stay refused until reopen()."""
+        self.accepting = False
+        self._closing.set()
+
+    def reopen(self) -> None:
+        self.accepting = True
+        self._closing = asyncio.Event()
 
     async def serve(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], peer: str) -> Replies:
         """One session of `peer` (its full id, the key of its limits)."""
@@ -72,6 +86,8 @@ class InferenceSessions:
         if opened is None:
             return None
         session, _ = opened
+        if not self.accepting:
+            raise LimitError("server busy: it is leaving these blocks", "busy")
         check_open(session, self.backend.limits)
         tokens = session.batch_size * session.max_length
         self.ledger.open_session(peer)
@@ -92,9 +108,11 @@ class InferenceSessions:
         cache = DynamicCache()
         while True:
             try:
-                message = await asyncio.wait_for(
-                    read_message(requests, InferenceStep, max_bytes=self.max_message_bytes), self.idle_timeout_s
-                )
+                message = await self._next_step(requests)
+            except _Closing:
+                logger.info("inference session closed by the server (leaving its blocks) peer=...%s", peer)
+                yield _reply(ReplyHeader(ok=False, error="server busy: it left these blocks", error_kind="busy"))
+                return
             except TimeoutError:
                 logger.info("inference session idle for %.0f s, closing peer=...%s", self.idle_timeout_s, peer)
                 return
@@ -139,10 +157,36 @@ class InferenceSessions:
             for part in encode(ReplyHeader(ok=True, compute_ms=compute_ms), outputs, runtime_pb2.ExpertResponse):
                 yield part
 
+    async def _next_step(self, requests: AsyncIterator) -> tuple[InferenceStep, list] | None:
+        """The next step (None: the client ended the stream); raises _Closing when close_all() comes first."""
+        closing = self._closing
+        if closing.is_set():
+            raise _Closing
+        read = asyncio.ensure_future(
+            asyncio.wait_for(read_message(requests, InferenceStep, max_bytes=self.max_message_bytes),
+                             self.idle_timeout_s)
+        )  # fmt: skip
+        closed = asyncio.ensure_future(closing.wait())
+        try:
+            await asyncio.wait({read, closed}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            closed.cancel()
+            if not read.done():
+                read.cancel()
+                with contextlib.suppress(asyncio.CancelledError, TimeoutError, ProtocolError):
+                    await read
+        if read.cancelled():
+            raise _Closing
+        return read.result()
+
     async def _drain(self, requests: AsyncIterator) -> None:
         """Read what the client still sends after an error reply, so that its writes do not break the reply."""
         with contextlib.suppress(TimeoutError, ProtocolError):
             await asyncio.wait_for(drain(requests, self.max_message_bytes), min(self.idle_timeout_s, DRAIN_TIMEOUT_S))
+
+
+class _Closing(Exception):  # noqa: N818 - a signal between two methods, never raised out of this module
+    """The server closes its sessions (it drains, then leaves or moves)."""
 
 
 def _lengths(cache: DynamicCache, session: InferenceOpen) -> list[int]:

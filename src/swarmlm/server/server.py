@@ -1,14 +1,18 @@
-"""A server's life: load its span, join the swarm, announce itself, serve until told to stop, leave cleanly."""
+"""A server's life: join the swarm, claim and load its span, announce itself, serve, move, drain and leave."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import sys
+from collections.abc import Mapping
 
 import hivemind
 import torch
+from hivemind.p2p import P2P
+from hivemind.utils import get_dht_time
 
 from swarmlm import __version__
 from swarmlm.config import ServerConfig
@@ -19,16 +23,17 @@ from swarmlm.models.naming import default_dht_prefix
 from swarmlm.models.span import SpanModel
 from swarmlm.protocol import service
 from swarmlm.protocol.messages import ServerInfo
-from swarmlm.server import transport
+from swarmlm.server import lifecycle, transport
 from swarmlm.server.backend import SpanBackend
 from swarmlm.server.cache import CacheBudget, default_cache_tokens
 from swarmlm.server.handler import SpanHandler
 from swarmlm.server.inference import InferenceSessions
 from swarmlm.server.peers import PeerLedger, PeerLimits
+from swarmlm.server.placement import Span, claimed_first, estimate_throughput, should_move
 from swarmlm.server.transport import StreamLimits
 from swarmlm.server.validation import max_message_bytes
 from swarmlm.swarm.dht import start_dht, visible_maddrs
-from swarmlm.swarm.records import ServerRecord, ServerState, announce
+from swarmlm.swarm.records import ServerRecord, ServerState, announce, fetch_servers
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +41,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 class Server:
-    """Serves blocks [start_block, end_block) of one model; `run()` blocks until SIGINT/SIGTERM."""
+    """Serves a span of one model (given, or chosen where the swarm is weakest); `run()` returns after SIGTERM."""
 
     def __init__(self, config: ServerConfig):
         self.config = config
@@ -47,29 +52,26 @@ class Server:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.dht_prefix = config.dht_prefix or default_dht_prefix(config.model)
-        model_dir = resolve_model(config.model, cache_dir=config.cache_dir)
-        num_blocks = load_config(model_dir).num_hidden_layers
+        self.model_dir = resolve_model(config.model, cache_dir=config.cache_dir)
+        model_config = load_config(self.model_dir)
+        self.num_blocks_total = model_config.num_hidden_layers
         # clients use only servers of the very model they loaded: announced in every record
-        self.fingerprint = model_fingerprint(model_dir)
-        if not 0 <= config.start_block < config.end_block <= num_blocks:
-            raise SwarmError(
-                f"--blocks {config.start_block}:{config.end_block} is outside the model's blocks 0:{num_blocks}"
-            )
-        logger.info("Loading blocks %d:%d of %s", config.start_block, config.end_block, model_dir)
-        span = SpanModel.from_dir(model_dir, config.start_block, config.end_block, DTYPES[config.dtype], config.device)
-        self.backend = SpanBackend(span, DTYPES[config.dtype], config.device, config.max_tokens_per_request)
-        self.throughput = self.backend.measure_throughput()
-        self.inference_throughput = self.backend.measure_inference_throughput()
-        span_config = span.config
-        request_bytes = max_message_bytes(config.max_tokens_per_request, span_config.hidden_size)
+        self.fingerprint = model_fingerprint(self.model_dir)
+        self.start, self.end = _requested_span(config, self.num_blocks_total)
+        self.since = 0.0  # DHT time this span was claimed (set when announced)
+        request_bytes = max_message_bytes(config.max_tokens_per_request, model_config.hidden_size)
         self.peer_memory_bytes = int(config.peer_memory_mb * 1e6) if config.peer_memory_mb else 4 * request_bytes
         self.cache_tokens = config.cache_tokens or default_cache_tokens(
-            span_config, config.end_block - config.start_block, DTYPES[config.dtype], config.device,
+            model_config, self.end - self.start, DTYPES[config.dtype], config.device,
             reserved_bytes=self.peer_memory_bytes,
         )  # fmt: skip
+        self.throughput, self.inference_throughput = 1.0, 1.0  # until measured on the loaded span
+        self.backend: SpanBackend | None = None
         self.dht: hivemind.DHT | None = None
+        self.peer_id, self.addrs = "", list[str]()
         self.budget: CacheBudget | None = None  # made on the server's event loop, in _serve
         self.inference: InferenceSessions | None = None
+        self.handler: SpanHandler | None = None
 
     def run(self) -> None:
         self.dht = start_dht(
@@ -78,25 +80,51 @@ class Server:
         try:
             asyncio.run(self._serve())
         finally:
-            self.backend.shutdown()
+            if self.backend is not None:
+                self.backend.shutdown()
             self.dht.shutdown()
             logger.info("Server stopped")
 
-    def _record(self, state: ServerState, addrs: list[str]) -> ServerRecord:
+    def _load(self, start: int, end: int) -> None:
+        """Load blocks [start, end) and measure them (blocking: run off the event loop once serving)."""
+        cfg = self.config
+        logger.info("Loading blocks %d:%d of %s", start, end, self.model_dir)
+        span = SpanModel.from_dir(self.model_dir, start, end, DTYPES[cfg.dtype], cfg.device)
+        backend = SpanBackend(span, DTYPES[cfg.dtype], cfg.device, cfg.max_tokens_per_request)
+        self.throughput = backend.measure_throughput()
+        self.inference_throughput = backend.measure_inference_throughput()
+        self.backend, self.start, self.end = backend, start, end
+
+    def _record(self, state: ServerState) -> ServerRecord:
         return ServerRecord(
             state=state,
-            start=self.config.start_block,
-            end=self.config.end_block,
+            start=self.start,
+            end=self.end,
             throughput=self.throughput,
             dtype=self.config.dtype,
-            addrs=tuple(addrs),
+            addrs=tuple(self.addrs),
             fingerprint=self.fingerprint,
             version=__version__,
             max_tokens_per_request=self.config.max_tokens_per_request,
             cache_tokens_total=self.cache_tokens,
             cache_tokens_left=self._cache_tokens_left(),
             inference_throughput=self.inference_throughput,
+            since=self.since,
         )
+
+    async def _announce(self, state: ServerState) -> ServerRecord:
+        if self.dht is None:
+            raise RuntimeError("the server's DHT is started by run()")
+        record = self._record(state)
+        if not await announce(self.dht, self.dht_prefix, self.peer_id, record, self.config.record_ttl_s):
+            logger.warning("Storing the DHT record (%s) failed; next try in %.0f s",
+                           state, self.config.announce_interval_s)
+        return record
+
+    async def _read_swarm(self) -> Mapping[str, ServerRecord]:
+        if self.dht is None:
+            raise RuntimeError("the server's DHT is started by run()")
+        return await fetch_servers(self.dht, self.dht_prefix)
 
     def _cache_tokens_left(self) -> int:
         budget = self.budget
@@ -104,10 +132,12 @@ class Server:
 
     def describe(self) -> ServerInfo:
         """This server now, as rpc_info answers it."""
+        if self.backend is None:
+            raise RuntimeError("no span is loaded yet")
         cfg, limits = self.config, self.backend.limits
         return ServerInfo(
-            start_block=cfg.start_block,
-            end_block=cfg.end_block,
+            start_block=limits.start,
+            end_block=limits.end,
             version=__version__,
             fingerprint=self.fingerprint,
             dtype=cfg.dtype,
@@ -128,41 +158,134 @@ class Server:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         p2p = await self.dht.replicate_p2p()
-        cfg = self.config
-        ledger = PeerLedger(PeerLimits(self.peer_memory_bytes, cfg.max_sessions_per_peer, cfg.max_sessions,
-                                       cfg.peer_cache_share))  # fmt: skip
-        self.budget = CacheBudget(self.cache_tokens)
-        self.inference = inference = InferenceSessions(
-            self.backend,
-            self.budget,
-            ledger,
-            alloc_timeout_s=self.config.alloc_timeout_s,
-            idle_timeout_s=self.config.session_idle_timeout_s,
-            chunk_tokens=self.config.inference_chunk_tokens,
-        )
-        servicer = SpanHandler(self.backend, inference, self.config.request_timeout_s, self.describe)
-        limits = StreamLimits(int(cfg.max_frame_mb * 1e6), cfg.request_timeout_s, cfg.write_timeout_s)
-        await transport.register(p2p, servicer, ledger, limits)
-        peer_id, addrs = p2p.peer_id.to_base58(), visible_maddrs(self.dht)
-        await announce(self.dht, self.dht_prefix, peer_id, self._record(ServerState.ONLINE, addrs), cfg.record_ttl_s)
-        print(
-            f"Serving blocks {cfg.start_block}:{cfg.end_block} of {cfg.model} as swarm {self.dht_prefix!r}, "
-            f"{self.throughput:.0f} tokens/s per block",
-            flush=True,
-        )
-        print("Others join with: --initial-peers " + " ".join(addrs), flush=True)
-        print(f"Server ready: peer {peer_id}", flush=True)
-        while not stop.is_set():
-            try:
-                await asyncio.wait_for(stop.wait(), timeout=cfg.announce_interval_s)
-            except TimeoutError:
-                record = self._record(ServerState.ONLINE, addrs)
-                if not await announce(self.dht, self.dht_prefix, peer_id, record, cfg.record_ttl_s):
-                    logger.warning("Refreshing the DHT record failed; retrying in %.0f s", cfg.announce_interval_s)
-        logger.info("Shutting down: announcing offline (served %d requests)", servicer.served)
-        offline = self._record(ServerState.OFFLINE, addrs)
+        self.peer_id, self.addrs = p2p.peer_id.to_base58(), visible_maddrs(self.dht)
+        await self._join()
+        handler = await self._start_handler(p2p)
+        self.since = self.since or get_dht_time()
+        await self._announce(ServerState.ONLINE)
+        self._print_serving()
+        print("Others join with: --initial-peers " + " ".join(self.addrs), flush=True)
+        print(f"Server ready: peer {self.peer_id}", flush=True)
+        await self._live(stop)
+        logger.info("Shutting down: draining (served %d requests)", handler.served)
+        await self._announce(ServerState.DRAINING)
+        await lifecycle.drain(self._sessions(), handler, self.config.drain_timeout_s)
         # the DHT keeps the record that expires last, so the offline one must not expire before the online one
-        await announce(self.dht, self.dht_prefix, peer_id, offline, cfg.record_ttl_s)
+        await self._announce(ServerState.OFFLINE)
         await service.unregister(p2p)
         await p2p.shutdown()
         sys.stdout.flush()
+
+    async def _join(self) -> None:
+        """Claim a span (with --num-blocks) and load it."""
+        n = self.config.num_blocks
+        if n is not None:
+            self.throughput = estimate_throughput(await self._read_swarm())
+
+            async def claim(span: Span, since: float) -> ServerRecord:
+                self.start, self.end = span
+                self.since = since
+                return await self._announce(ServerState.JOINING)
+
+            (self.start, self.end), self.since = await lifecycle.claim_span(
+                self._read_swarm, claim, self.num_blocks_total, n, self.peer_id
+            )
+        await asyncio.to_thread(self._load, self.start, self.end)
+
+    async def _start_handler(self, p2p: P2P) -> SpanHandler:
+        cfg = self.config
+        if self.backend is None:
+            raise RuntimeError("the span is loaded before the handler starts")
+        ledger = PeerLedger(PeerLimits(self.peer_memory_bytes, cfg.max_sessions_per_peer, cfg.max_sessions,
+                                       cfg.peer_cache_share))  # fmt: skip
+        self.budget = CacheBudget(self.cache_tokens)
+        self.inference = InferenceSessions(
+            self.backend,
+            self.budget,
+            ledger,
+            alloc_timeout_s=cfg.alloc_timeout_s,
+            idle_timeout_s=cfg.session_idle_timeout_s,
+            chunk_tokens=cfg.inference_chunk_tokens,
+        )
+        self.handler = SpanHandler(self.backend, self.inference, cfg.request_timeout_s, self.describe)
+        limits = StreamLimits(int(cfg.max_frame_mb * 1e6), cfg.request_timeout_s, cfg.write_timeout_s)
+        await transport.register(p2p, self.handler, ledger, limits)
+        return self.handler
+
+    def _sessions(self) -> InferenceSessions:
+        if self.inference is None:
+            raise RuntimeError("the handler is started before sessions are served")
+        return self.inference
+
+    def _print_serving(self) -> None:
+        print(
+            f"Serving blocks {self.start}:{self.end} of {self.config.model} as swarm {self.dht_prefix!r}, "
+            f"{self.throughput:.0f} tokens/s per block",
+            flush=True,
+        )
+
+    async def _live(self, stop: asyncio.Event) -> None:
+        """Refresh the record every announce interval and, with --num-blocks, check for a better span now and then."""
+        cfg, loop = self.config, asyncio.get_running_loop()
+        rebalancing = cfg.num_blocks is not None and cfg.rebalance_interval_s > 0
+        next_announce = loop.time() + cfg.announce_interval_s
+        next_check = loop.time() + lifecycle.rebalance_delay(cfg.rebalance_interval_s) if rebalancing else float("inf")
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=max(0.0, min(next_announce, next_check) - loop.time()))
+            if stop.is_set():
+                return
+            if loop.time() >= next_announce:
+                await self._announce(ServerState.ONLINE)
+                next_announce = loop.time() + cfg.announce_interval_s
+            if loop.time() >= next_check:
+                await self._rebalance()
+                next_check = loop.time() + lifecycle.rebalance_delay(cfg.rebalance_interval_s)
+
+    async def _rebalance(self) -> None:
+        """Move to another span if that raises the swarm's bottleneck enough (see placement.should_move)."""
+        servers = dict(await self._read_swarm())
+        servers[self.peer_id] = self._record(ServerState.ONLINE)
+        target = should_move(self.num_blocks_total, self.peer_id, servers, self.config.balance_quality)
+        if target is None:
+            return
+        old = (self.start, self.end, self.since)
+        (self.start, self.end), self.since = target, get_dht_time()
+        mine = await self._announce(ServerState.JOINING)
+        await lifecycle.claim_wait()
+        if claimed_first(self.peer_id, mine, await self._read_swarm()):
+            logger.info("Another server claimed blocks %d:%d first; staying", *target)
+            self.start, self.end, self.since = old
+            await self._announce(ServerState.ONLINE)
+            return
+        logger.info("Moving from blocks %d:%d to %d:%d: the swarm's bottleneck would grow", old[0], old[1], *target)
+        await self._move(target)
+
+    async def _move(self, target: Span) -> None:
+        """Drain the current span, load `target`, serve it."""
+        sessions, handler, old = self._sessions(), self.handler, self.backend
+        if handler is None or old is None:
+            raise RuntimeError("only a serving server moves")
+        await lifecycle.drain(sessions, handler, self.config.drain_timeout_s)
+        await self._announce(ServerState.JOINING)  # the drain may have outlasted the claim's record
+        await asyncio.to_thread(self._load, *target)
+        if self.backend is None:
+            raise RuntimeError("the new span did not load")
+        handler.backend = sessions.backend = self.backend
+        old.shutdown()
+        sessions.reopen()
+        await self._announce(ServerState.ONLINE)
+        self._print_serving()
+
+
+def _requested_span(config: ServerConfig, num_blocks_total: int) -> Span:
+    """The span given with --blocks, or a placeholder of --num-blocks blocks until the swarm is read."""
+    if config.num_blocks is not None:
+        if not 1 <= config.num_blocks <= num_blocks_total:
+            raise SwarmError(f"--num-blocks {config.num_blocks}: the model has {num_blocks_total} blocks")
+        return 0, config.num_blocks
+    if not 0 <= config.start_block < config.end_block <= num_blocks_total:
+        raise SwarmError(
+            f"--blocks {config.start_block}:{config.end_block} is outside the model's blocks 0:{num_blocks_total}"
+        )
+    return config.start_block, config.end_block
