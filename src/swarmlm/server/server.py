@@ -167,6 +167,7 @@ class Server:
         print("Others join with: --initial-peers " + " ".join(self.addrs), flush=True)
         print(f"Server ready: peer {self.peer_id}", flush=True)
         await self._live(stop)
+        self._sessions().stop_accepting()  # before the record says so: a client may not have read it yet
         logger.info("Shutting down: draining (served %d requests)", handler.served)
         await self._announce(ServerState.DRAINING)
         await lifecycle.drain(self._sessions(), handler, self.config.drain_timeout_s)
