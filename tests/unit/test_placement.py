@@ -5,7 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from swarmlm.server.placement import block_throughputs, choose_span, claimed_first, estimate_throughput, should_move
+from swarmlm.config import ServerConfig
+from swarmlm.errors import SwarmError
+from swarmlm.server.placement import (
+    block_throughputs,
+    choose_span,
+    claimed_first,
+    estimate_throughput,
+    requested_span,
+    should_move,
+)
 from swarmlm.swarm.records import ServerRecord, ServerState
 
 # Ed25519-looking peer ids are not needed here: placement never checks them
@@ -78,3 +87,12 @@ def test_a_server_stays_when_moving_gains_too_little_or_nothing() -> None:
 def test_a_span_larger_than_the_model_is_refused() -> None:
     with pytest.raises(ValueError, match="cannot place"):
         choose_span(3, 4, {})
+
+
+def test_the_requested_span_is_checked_against_the_model() -> None:
+    assert requested_span(ServerConfig(model="m", start_block=2, end_block=5), 7) == (2, 5)
+    assert requested_span(ServerConfig(model="m", num_blocks=3), 7) == (0, 3)  # until the swarm is read
+    with pytest.raises(SwarmError, match="--num-blocks 8"):
+        requested_span(ServerConfig(model="m", num_blocks=8), 7)
+    with pytest.raises(SwarmError, match="outside the model"):
+        requested_span(ServerConfig(model="m", start_block=5, end_block=9), 7)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from swarmlm.config import ServerConfig
+from swarmlm.errors import SwarmError
 from swarmlm.swarm.records import ServerRecord, ServerState
 
 Span = tuple[int, int]
@@ -79,3 +81,16 @@ def should_move(
     if bottleneck(current) < quality * bottleneck(after):
         return start, start + n
     return None
+
+
+def requested_span(config: ServerConfig, num_blocks_total: int) -> Span:
+    """The span given with --blocks, or a placeholder of --num-blocks blocks until the swarm is read."""
+    if config.num_blocks is not None:
+        if not 1 <= config.num_blocks <= num_blocks_total:
+            raise SwarmError(f"--num-blocks {config.num_blocks}: the model has {num_blocks_total} blocks")
+        return 0, config.num_blocks
+    if not 0 <= config.start_block < config.end_block <= num_blocks_total:
+        raise SwarmError(
+            f"--blocks {config.start_block}:{config.end_block} is outside the model's blocks 0:{num_blocks_total}"
+        )
+    return config.start_block, config.end_block

@@ -29,7 +29,7 @@ from swarmlm.server.cache import CacheBudget, default_cache_tokens
 from swarmlm.server.handler import SpanHandler
 from swarmlm.server.inference import InferenceSessions
 from swarmlm.server.peers import PeerLedger, PeerLimits
-from swarmlm.server.placement import Span, claimed_first, estimate_throughput, should_move
+from swarmlm.server.placement import Span, claimed_first, estimate_throughput, requested_span, should_move
 from swarmlm.server.transport import StreamLimits
 from swarmlm.server.validation import max_message_bytes
 from swarmlm.swarm.dht import start_dht, visible_maddrs
@@ -57,7 +57,7 @@ class Server:
         self.num_blocks_total = model_config.num_hidden_layers
         # clients use only servers of the very model they loaded: announced in every record
         self.fingerprint = model_fingerprint(self.model_dir)
-        self.start, self.end = _requested_span(config, self.num_blocks_total)
+        self.start, self.end = requested_span(config, self.num_blocks_total)
         self.since = 0.0  # DHT time this span was claimed (set when announced)
         request_bytes = max_message_bytes(config.max_tokens_per_request, model_config.hidden_size)
         self.peer_memory_bytes = int(config.peer_memory_mb * 1e6) if config.peer_memory_mb else 4 * request_bytes
@@ -240,10 +240,13 @@ class Server:
                 await self._announce(ServerState.ONLINE)
                 next_announce = loop.time() + cfg.announce_interval_s
             if loop.time() >= next_check:
-                await self._rebalance()
+                try:
+                    await self._rebalance(stop)
+                except Exception as e:  # noqa: BLE001 - a failed check or move must not end the server: it stays
+                    self._stay(e)
                 next_check = loop.time() + lifecycle.rebalance_delay(cfg.rebalance_interval_s)
 
-    async def _rebalance(self) -> None:
+    async def _rebalance(self, stop: asyncio.Event) -> None:
         """Move to another span if that raises the swarm's bottleneck enough (see placement.should_move)."""
         servers = dict(await self._read_swarm())
         servers[self.peer_id] = self._record(ServerState.ONLINE)
@@ -260,14 +263,24 @@ class Server:
             await self._announce(ServerState.ONLINE)
             return
         logger.info("Moving from blocks %d:%d to %d:%d: the swarm's bottleneck would grow", old[0], old[1], *target)
-        await self._move(target)
+        await self._move(target, stop)
 
-    async def _move(self, target: Span) -> None:
-        """Drain the current span, load `target`, serve it."""
+    def _stay(self, error: Exception) -> None:
+        """After a failed rebalance, serve the span still loaded (announced at the next refresh)."""
+        if self.backend is not None:
+            self.start, self.end = self.backend.limits.start, self.backend.limits.end
+        logger.warning("Rebalancing failed; serving blocks %d:%d on: %s: %s", self.start, self.end,
+                       type(error).__name__, error)  # fmt: skip
+        self._sessions().reopen()
+
+    async def _move(self, target: Span, stop: asyncio.Event) -> None:
+        """Drain the current span, load `target`, serve it (unless told to stop meanwhile: the server then leaves)."""
         sessions, handler, old = self._sessions(), self.handler, self.backend
         if handler is None or old is None:
             raise RuntimeError("only a serving server moves")
         await lifecycle.drain(sessions, handler, self.config.drain_timeout_s)
+        if stop.is_set():
+            return  # its sessions are closed already: leaving now keeps within one drain deadline
         await self._announce(ServerState.JOINING)  # the drain may have outlasted the claim's record
         await asyncio.to_thread(self._load, *target)
         if self.backend is None:
@@ -278,15 +291,3 @@ class Server:
         await self._announce(ServerState.ONLINE)
         self._print_serving()
 
-
-def _requested_span(config: ServerConfig, num_blocks_total: int) -> Span:
-    """The span given with --blocks, or a placeholder of --num-blocks blocks until the swarm is read."""
-    if config.num_blocks is not None:
-        if not 1 <= config.num_blocks <= num_blocks_total:
-            raise SwarmError(f"--num-blocks {config.num_blocks}: the model has {num_blocks_total} blocks")
-        return 0, config.num_blocks
-    if not 0 <= config.start_block < config.end_block <= num_blocks_total:
-        raise SwarmError(
-            f"--blocks {config.start_block}:{config.end_block} is outside the model's blocks 0:{num_blocks_total}"
-        )
-    return config.start_block, config.end_block
