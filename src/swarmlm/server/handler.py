@@ -72,7 +72,7 @@ class SpanHandler:
                 raise ProtocolError("empty request stream")
             header, tensors = message
             inputs = check_span_request(header, tensors, self.backend.limits)
-            outputs, compute_ms = await self.backend.run(header.start_block, header.end_block, inputs)
+            outputs, compute_ms = await self.backend.run(header.start_block, header.end_block, inputs, peer)
             reply = ReplyHeader(ok=True, compute_ms=compute_ms)
             self.served += 1
             tokens = inputs.hidden.shape[0] * inputs.hidden.shape[1]
