@@ -195,9 +195,10 @@ def _choose_hop(
     j: int,
     rng: random.Random | None,
     budget: float,
+    prefer: frozenset[str],
 ) -> tuple[str, int, float]:
     """Pick the last hop (peer, origin, excess) of a route ending at j that costs at most `budget` more than the
-    cheapest one; excess is how much more it costs.
+    cheapest one; excess is how much more it costs. A preferred peer among the candidates wins over the draw.
 
     enders are the indices of the groups containing block j - 1: exactly those that can run a hop ending at j.
     """
@@ -209,6 +210,8 @@ def _choose_hop(
             if excess <= slack:
                 ties.extend((peer, i, max(0.0, excess)) for peer in group.peers)
     # The origin that produced cost[j] reproduces it exactly, so `ties` is never empty for a reachable j.
+    # Stickiness: drawing among near-ties must not move a client off the server it used last.
+    ties = [tie for tie in ties if tie[0] in prefer] or ties
     if rng is None:
         return min(ties)
     return rng.choice(sorted(ties))
@@ -258,7 +261,8 @@ def find_route(
         return []
     tolerance = tie_tolerance if rng is not None else 0.0
     # Banned and preferred ids are looked up once per server; sets keep that O(1) whatever collection was passed.
-    found = _group_servers(servers, start, end, frozenset(banned), tokens, frozenset(prefer), stickiness)
+    prefer = frozenset(prefer)
+    found = _group_servers(servers, start, end, frozenset(banned), tokens, prefer, stickiness)
     groups, covering = _drop_dominated(found, tolerance)
     cost = _route_costs(groups, covering, start, end)
     if math.isinf(cost[end]):
@@ -269,7 +273,7 @@ def find_route(
     hops: list[RouteSpan] = []
     j = end
     while j > start:
-        peer, i, excess = _choose_hop(groups, covering[j - 1], cost, j, rng, budget)
+        peer, i, excess = _choose_hop(groups, covering[j - 1], cost, j, rng, budget, prefer)
         budget = max(0.0, budget - excess)
         hops.append(RouteSpan(peer, i, j))
         j = i
