@@ -160,3 +160,13 @@ def test_the_manager_keeps_the_replica_it_used_last() -> None:
     manager = _manager({"a": _record(), "b": _record()})
     first = asyncio.run(manager.make_route(0, 4))
     assert all(asyncio.run(manager.make_route(0, 4)) == first for _ in range(30))
+
+
+
+def test_a_failed_or_busy_server_loses_its_preference() -> None:
+    manager = _manager({"a": _record(), "b": _record()})
+    for avoid in (manager.ban, manager.cool_down):
+        first = asyncio.run(manager.make_route(0, 4))[0].peer_id
+        assert first in manager._last_used
+        avoid(first, "test")
+        assert first not in manager._last_used  # once its ban or cool-down is over it is a plain candidate again

@@ -171,11 +171,13 @@ class SequenceManager:
         """Avoid a failed server for a while; each further failure doubles the ban (up to ban_max_s)."""
         duration = self.health.ban(peer_id)
         self._connected.discard(peer_id)
+        self._last_used.pop(peer_id, None)  # once its ban is over, a failed server earns no stickiness
         logger.warning("Server ...%s failed (%s); avoiding it for %.1f s", peer_id[-6:], reason, duration)
 
     def cool_down(self, peer_id: str, reason: object) -> None:
         """Avoid a busy server briefly; unlike ban() this is no failure of it and never grows."""
         self.health.cool_down(peer_id, self.config.ban_base_s)
+        self._last_used.pop(peer_id, None)  # a busy server is not preferred once the cool-down is over
         logger.info("Server ...%s is busy (%s); avoiding it for %.1f s", peer_id[-6:], reason, self.config.ban_base_s)
 
     def record_success(self, peer_id: str, round_trip_s: float, work: float = 1.0) -> None:
