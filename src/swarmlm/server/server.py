@@ -96,6 +96,7 @@ class Server:
             cache_tokens_total=self.cache_tokens,
             cache_tokens_left=self._cache_tokens_left(),
             inference_throughput=self.inference_throughput,
+            sessions_open=0 if self.inference is None else self.inference.open_sessions,
         )
 
     def _cache_tokens_left(self) -> int:
