@@ -54,3 +54,6 @@ class ClientConfig:
     allowed_servers: tuple[str, ...] | None = None  # peer ids of the only servers to use (None: any server)
     blocked_servers: tuple[str, ...] = ()  # peer ids of servers never to use
     accepted_dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")  # compute dtypes of servers to use
+    route_tie_tolerance: float = 0.05  # routes within this fraction of the cheapest are drawn at random (spreads load)
+    route_stickiness: float = 0.2  # the servers used last keep their blocks until another is this fraction cheaper
+    sticky_route_s: float = 60.0  # how long the servers used last stay preferred after their last use

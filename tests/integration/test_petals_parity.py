@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -193,3 +194,22 @@ def test_torch_dtype_alias_and_auto_dtype(tiny_model_dir: Path, swarm: LocalSwar
         assert model.lm_head.weight.dtype == torch.bfloat16
     with connected_model(tiny_model_dir, swarm, dtype="auto") as model:
         assert model.lm_head.weight.dtype == torch.float32
+
+
+def test_threads_sharing_one_model_generate_at_once_each_equal_to_local(model, reference) -> None:
+    """Each thread's generate() uses its own session (sessions in `with` blocks are per thread)."""
+    prompts = [token_ids(1, 4 + i, seed=20 + i) for i in range(4)]
+    results: dict[int, torch.Tensor] = {}
+
+    def work(index: int) -> None:
+        with model.inference_session(max_length=16):  # a thread's own `with` session is never another thread's
+            results[index] = model.generate(prompts[index], max_new_tokens=6, min_new_tokens=6, do_sample=False)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    for index, ids in enumerate(prompts):
+        expected = reference.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+        assert results[index].tolist() == expected.tolist(), index

@@ -58,13 +58,14 @@ class RetryBudget:
         self.avoid: set[str] = set()  # servers this request does not go to again
         self._refused_by: set[str] = set()  # servers that called this request bad
 
-    async def route(self, start: int, end: int, tokens: int) -> list[RouteSpan]:
-        """A route over [start, end) for `tokens` tokens, without the servers this request avoids."""
+    async def route(self, start: int, end: int, tokens: int, session_tokens: int | None = None) -> list[RouteSpan]:
+        """A route over [start, end) for `tokens` tokens, without the servers this request avoids (and for opening
+        inference sessions of session_tokens tokens, avoiding servers that announce too little free cache)."""
         config = self.manager.config
         try:
             # make_route gives up after missing_blocks_timeout_s; this deadline also bounds its DHT reads
             async with asyncio.timeout(config.missing_blocks_timeout_s + config.request_timeout_s):
-                return await self.manager.make_route(start, end, tokens, avoid=self.avoid)
+                return await self.manager.make_route(start, end, tokens, self.avoid, session_tokens)
         except TimeoutError as e:
             raise RemoteCallError(f"finding a route over blocks {start}:{end} timed out") from e
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -65,10 +66,22 @@ def _continues(inputs: torch.Tensor, previous: torch.Tensor) -> bool:
     )
 
 
+class SessionStacks(threading.local):
+    """Each thread's own stack of the sessions open in `with` blocks: threads sharing a model never pick up each
+    other's sessions."""
+
+    def __init__(self) -> None:
+        self.stack: list[InferenceSession] = []
+
+
 class RemoteGenerationMixin(_ModelBase):
     """Hugging Face generate() on top of InferenceSession; mixed into the distributed causal LM classes."""
 
-    _active_sessions: list[InferenceSession]
+    _session_stacks: SessionStacks
+
+    @property
+    def _active_sessions(self) -> list[InferenceSession]:
+        return self._session_stacks.stack
     if TYPE_CHECKING:  # set by DistributedCausalLMMixin, and the HF decoder of the class mixed into
         family: ModelFamily
         prompt_tuning: PromptTuning | None
@@ -85,7 +98,8 @@ class RemoteGenerationMixin(_ModelBase):
 
     @property
     def active_session(self) -> InferenceSession | None:
-        """The innermost session of this model open in a `with` block (generate()'s own one while it runs)."""
+        """The innermost session of this model open in a `with` block of this thread (generate()'s own one while
+        it runs)."""
         return self._active_sessions[-1] if self._active_sessions else None
 
     def generate(

@@ -253,7 +253,7 @@ class InferenceSession:
         try:
             position = start
             while position < end:
-                for span in await retry.route(position, end, tokens=batch):
+                for span in await retry.route(position, end, tokens=batch, session_tokens=batch * self.max_length):
                     span_session = _SpanSession(self.manager, span, self.start)
                     try:
                         await span_session.open(batch, self.max_length)

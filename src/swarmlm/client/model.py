@@ -12,7 +12,7 @@ import torch
 from transformers import PretrainedConfig
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from swarmlm.client.generation import RemoteGenerationMixin
+from swarmlm.client.generation import RemoteGenerationMixin, SessionStacks
 from swarmlm.client.inference import InferenceSession
 from swarmlm.client.prompts import PromptTuning
 from swarmlm.client.remote_sequential import RemoteSequential, SwarmClient
@@ -79,7 +79,7 @@ class DistributedCausalLMMixin(RemoteGenerationMixin):
             instance = distributed_cls(config)
         instance._load_local_parts(model_dir, dtype)
         instance.prompt_tuning = None
-        instance._active_sessions = []
+        instance._session_stacks = SessionStacks()
         if tuning_mode is not None:
             instance.prompt_tuning = PromptTuning(
                 tuning_mode, pre_seq_len, config.hidden_size, config.num_hidden_layers, config.initializer_range

@@ -17,7 +17,7 @@ from swarmlm.config import ClientConfig
 from swarmlm.errors import MissingBlocksError
 from swarmlm.swarm.dht import ParentBoundDHT, is_loopback_maddr, start_dht
 from swarmlm.swarm.records import ServerRecord, fetch_servers
-from swarmlm.swarm.routing import RouteSpan, find_route, missing_blocks
+from swarmlm.swarm.routing import RouteSpan, ServerView, find_route, missing_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +61,7 @@ class SequenceManager:
         self.health = Health(config.ban_base_s, config.ban_max_s)
         self._connected: set[str] = set()
         self._rng = random.Random()
+        self._last_used: dict[str, float] = {}  # peer -> when a route last went through it (monotonic s)
         self._refresh_task: asyncio.Task | None = None
 
     @property
@@ -122,14 +123,23 @@ class SequenceManager:
         views = self.view.views(self.health)
         return find_route(views, start, end, banned=self._excluded(tokens, avoid), tokens=tokens) is not None
 
-    async def make_route(self, start: int, end: int, tokens: int = 1, avoid: Collection[str] = ()) -> list[RouteSpan]:
+    async def make_route(
+        self, start: int, end: int, tokens: int = 1, avoid: Collection[str] = (), session_tokens: int | None = None
+    ) -> list[RouteSpan]:
         """A route over blocks [start, end) for `tokens` tokens, without the servers in `avoid`; waits for missing
-        blocks up to the configured timeout."""
+        blocks up to the configured timeout. session_tokens (batch x max_length): the route opens inference
+        sessions of this size, so servers announcing too little free cache for one are avoided while others can
+        serve their blocks (announcements lag: when none can, the servers themselves answer)."""
         began = time.monotonic()
         while True:
             banned, views = self._excluded(tokens, avoid), self.view.views(self.health)
-            route = find_route(views, start, end, banned=banned, tokens=tokens, rng=self._rng)
+            route = None
+            if session_tokens is not None:
+                route = self._find(views, start, end, tokens, banned | self.view.full_for(session_tokens))
+            route = route or self._find(views, start, end, tokens, banned)
             if route is not None:
+                now = time.monotonic()
+                self._last_used.update((span.peer_id, now) for span in route)
                 return route
             waited = time.monotonic() - began
             if waited >= self.config.missing_blocks_timeout_s:
@@ -138,15 +148,36 @@ class SequenceManager:
             await asyncio.sleep(MISSING_BLOCKS_POLL_S)
             await self.refresh()
 
+    def _find(
+        self, views: list[ServerView], start: int, end: int, tokens: int, banned: set[str]
+    ) -> list[RouteSpan] | None:
+        """find_route drawing among near-equal routes, preferring the servers this client used recently."""
+        recent = time.monotonic() - self.config.sticky_route_s
+        prefer = {peer for peer, when in self._last_used.items() if when > recent}
+        config = self.config
+        return find_route(
+            views,
+            start,
+            end,
+            banned=banned,
+            tokens=tokens,
+            rng=self._rng,
+            tie_tolerance=config.route_tie_tolerance,
+            prefer=prefer,
+            stickiness=config.route_stickiness,
+        )
+
     def ban(self, peer_id: str, reason: object) -> None:
         """Avoid a failed server for a while; each further failure doubles the ban (up to ban_max_s)."""
         duration = self.health.ban(peer_id)
         self._connected.discard(peer_id)
+        self._last_used.pop(peer_id, None)  # once its ban is over, a failed server earns no stickiness
         logger.warning("Server ...%s failed (%s); avoiding it for %.1f s", peer_id[-6:], reason, duration)
 
     def cool_down(self, peer_id: str, reason: object) -> None:
         """Avoid a busy server briefly; unlike ban() this is no failure of it and never grows."""
         self.health.cool_down(peer_id, self.config.ban_base_s)
+        self._last_used.pop(peer_id, None)  # a busy server is not preferred once the cool-down is over
         logger.info("Server ...%s is busy (%s); avoiding it for %.1f s", peer_id[-6:], reason, self.config.ban_base_s)
 
     def record_success(self, peer_id: str, round_trip_s: float, work: float = 1.0) -> None:

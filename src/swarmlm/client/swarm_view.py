@@ -17,6 +17,15 @@ from swarmlm.swarm.routing import ServerView, bounded_priors
 
 logger = logging.getLogger(__name__)
 
+# load factor per announced open inference session: each interleaves its decode steps with every other request, so
+# ten sessions count as doubling the server's cost (routing bounds the total at MAX_LOAD_FACTOR)
+SESSION_LOAD = 0.1
+
+
+def announced_load(record: ServerRecord) -> float:
+    """The load factor routing adds to a server's cost from its announcement (>= 0; routing bounds it)."""
+    return SESSION_LOAD * record.sessions_open
+
 
 @dataclass(frozen=True)
 class ServerFilter:
@@ -88,5 +97,14 @@ class SwarmView:
             record = self.servers[peer_id]
             measured = health.measured(peer_id, prior)
             latency_s, throughput = (None, prior) if measured is None else measured
-            views.append(ServerView(peer_id, record.start, record.end, throughput, latency_s))
+            views.append(ServerView(peer_id, record.start, record.end, throughput, latency_s, announced_load(record)))
         return views
+
+    def full_for(self, session_tokens: int) -> set[str]:
+        """Servers whose announced free cache cannot hold a new session of `session_tokens` (batch x max_length)
+        tokens: opening one there would only be refused. Servers that announce no figure are not excluded."""
+        return {
+            peer
+            for peer, record in self.servers.items()
+            if record.cache_tokens_left is not None and record.cache_tokens_left < session_tokens
+        }

@@ -2,23 +2,32 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
+import functools
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from transformers.cache_utils import DynamicCache
 
+from swarmlm.models.batched import decode_batched
 from swarmlm.models.span import SpanModel
 from swarmlm.protocol.bundle import SpanTensors
+from swarmlm.server.scheduler import BatchLimits, DecodeStep, Kind, Scheduler
 from swarmlm.server.validation import SpanLimits
+
+logger = logging.getLogger(__name__)
 
 
 class SpanBackend:
-    """Runs requests on a span one at a time, in arrival order, off the event loop."""
+    """Runs requests on a span off the event loop, in the scheduler's order: one at a time, except one-token
+    decode steps of several sessions, which may run as one forward."""
 
-    def __init__(self, span: SpanModel, dtype: torch.dtype, device: str, max_tokens: int):
+    def __init__(
+        self, span: SpanModel, dtype: torch.dtype, device: str, max_tokens: int,
+        batch_limits: BatchLimits | None = None,
+    ):  # fmt: skip
         self.span, self.dtype, self.device = span, dtype, device
         config = span.config
         self.limits = SpanLimits(
@@ -30,12 +39,18 @@ class SpanBackend:
         )
         # a single worker thread is the queue: weights are never used by two computations at once
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="span-compute")
+        self.scheduler = Scheduler(self._executor, self._decode_batch, batch_limits or BatchLimits())
 
-    async def run(self, start: int, end: int, inputs: SpanTensors) -> tuple[list[torch.Tensor], float]:
+    async def run(
+        self, start: int, end: int, inputs: SpanTensors, peer: str = ""
+    ) -> tuple[list[torch.Tensor], float]:
         """Forward: [hidden states after blocks [start, end)]; backward (inputs.grad_outputs given): [grad wrt
         hidden states, (grad wrt prompts)]. Tensors come back in the sender's dtypes, with the compute time in ms."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._run, start, end, inputs)
+        kind = Kind.FORWARD if inputs.grad_outputs is None else Kind.BACKWARD
+        result: tuple[list[torch.Tensor], float] = await self.scheduler.submit(
+            kind, peer, functools.partial(self._run, start, end, inputs)
+        )
+        return result
 
     def _run(self, start: int, end: int, inputs: SpanTensors) -> tuple[list[torch.Tensor], float]:
         """The one computation of a span: its forward, followed by autograd when grad_outputs are given."""
@@ -59,15 +74,29 @@ class SpanBackend:
 
     async def step(
         self, cache: DynamicCache, start: int, end: int, inputs: SpanTensors, chunk_tokens: int,
-        start_from: int | None = None,
+        start_from: int | None = None, peer: str = "",
     ) -> tuple[list[torch.Tensor], float]:
         """One inference step of a session owning `cache`: [hidden states of the new tokens], compute time in ms.
 
         With start_from, the cache is first cut back to that many tokens (validated: not more than it holds)."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._executor, self._step, cache, start, end, inputs, chunk_tokens, start_from
-        )
+        run = functools.partial(self._step, cache, start, end, inputs, chunk_tokens, start_from)
+        plain = _plain_decode(cache, start, inputs, start_from)
+        decode = DecodeStep(start, end, inputs.hidden, cache) if plain else None
+        result: tuple[list[torch.Tensor], float] = await self.scheduler.submit(Kind.INFERENCE, peer, run, decode)
+        return result
+
+    def _decode_batch(self, steps: list[DecodeStep]) -> list[tuple[list[torch.Tensor], float]]:
+        """One-token steps of several sessions over the same blocks, as one forward (on the compute thread)."""
+        began = time.perf_counter()
+        start, end = steps[0].start, steps[0].end
+        with torch.inference_mode():
+            hidden = [step.hidden.to(self.device, self.dtype) for step in steps]
+            outputs = decode_batched(self.span, hidden, [step.cache for step in steps], start, end)
+            results = [out.to("cpu", step.hidden.dtype) for out, step in zip(outputs, steps, strict=True)]
+        compute_ms = (time.perf_counter() - began) * 1000
+        logger.info("inference batch sessions=%d blocks=%d:%d rows=%d %.1f ms", len(steps), start, end,
+                    sum(step.rows for step in steps), compute_ms)  # fmt: skip
+        return [([result], compute_ms) for result in results]
 
     def _step(
         self, cache: DynamicCache, start: int, end: int, inputs: SpanTensors, chunk_tokens: int,
@@ -122,3 +151,16 @@ class SpanBackend:
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _plain_decode(cache: DynamicCache, start: int, inputs: SpanTensors, start_from: int | None) -> bool:
+    """A step that may share a forward with other sessions': one new token per row at the session's own next
+    position, no mask, prompts, reordering or rollback (anything else runs alone)."""
+    if inputs.hidden.shape[1] != 1 or inputs.hypo_ids is not None or inputs.prompts is not None:
+        return False
+    if inputs.attention_mask is not None or inputs.grad_outputs is not None:
+        return False
+    past = cache.get_seq_length(start)
+    if start_from is not None and start_from != past:
+        return False
+    return inputs.position_ids is None or bool((inputs.position_ids == past).all())

@@ -110,6 +110,7 @@ class Server:
             cache_tokens_left=self._cache_tokens_left(),
             inference_throughput=self.inference_throughput,
             since=self.since,
+            sessions_open=0 if self.inference is None else self.inference.open_sessions,
         )
 
     async def _announce(self, state: ServerState) -> ServerRecord:

@@ -16,6 +16,8 @@ DEFAULT_LATENCY_S = 0.1
 MAX_PRIOR_FACTOR = 2.0
 # Relative slack when comparing float route costs, so alternatives equal up to rounding still count as ties.
 _TIE_REL_TOL = 1e-9
+# Announced load multiplies a server's cost by at most 1 + this: a claim may make it look busier, never faster.
+MAX_LOAD_FACTOR = 1.0
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,7 @@ class ServerView:
     end: int  # one past the last block served
     throughput: float  # measured tokens/s the server computes per block (higher = faster); > 0
     latency_s: float | None = None  # measured round trip to this server from this client, if known
+    load: float = 0.0  # expected extra wait as a fraction of its cost (0: idle); clamped to [0, MAX_LOAD_FACTOR]
 
 
 @dataclass(frozen=True)
@@ -81,37 +84,57 @@ def _latency(server: ServerView) -> float:
     return max(0.0, server.latency_s)
 
 
+def _load(server: ServerView) -> float:
+    # Load comes from a server's own announcement: bounded, and never below idle, so it can only make a server look
+    # worse than this client measured it. Records reject non-finite numbers; a NaN here counts as idle.
+    if math.isnan(server.load):
+        return 0.0
+    return min(MAX_LOAD_FACTOR, max(0.0, server.load))
+
+
 def _group_servers(
-    servers: Sequence[ServerView], start: int, end: int, banned: Collection[str], tokens: int
+    servers: Sequence[ServerView],
+    start: int,
+    end: int,
+    banned: Collection[str],
+    tokens: int,
+    prefer: Collection[str],
+    stickiness: float,
 ) -> list[_Group]:
     # Replicas usually share span and speed; costing each class once keeps the search fast with many replicas.
     classes: dict[tuple[int, int, float, float], set[str]] = {}
     for server in servers:
         if not _usable(server, banned) or server.end <= start or server.start >= end:
             continue
+        # A busy server makes a request wait for the ones ahead of it: the whole hop, round trip included, costs more.
+        # A preferred server (the one used last) is discounted so that it keeps its routes until another server is
+        # cheaper by more than the stickiness margin.
+        scale = (1.0 + _load(server)) / (1.0 + stickiness if server.peer_id in prefer else 1.0)
         key = (
             max(server.start, start),
             min(server.end, end),
-            DEFAULT_HOP_COST_S + _latency(server),
-            tokens / server.throughput,
+            (DEFAULT_HOP_COST_S + _latency(server)) * scale,
+            tokens / server.throughput * scale,
         )
         classes.setdefault(key, set()).add(server.peer_id)
     return [_Group(lo, hi, hop, blk, tuple(sorted(peers))) for (lo, hi, hop, blk), peers in classes.items()]
 
 
-def _dominates(better: _Group, worse: _Group) -> bool:
-    # `better` can run every hop `worse` can, never costs more and costs strictly less per hop or per block: `worse`
-    # is then never on a cheapest route. Equal costs are not dominance, so replicas stay available as tie choices.
+def _dominates(better: _Group, worse: _Group, tolerance: float) -> bool:
+    # `better` can run every hop `worse` can, never costs more (by more than the tie tolerance) and costs strictly
+    # less per hop or per block: `worse` is then never on a cheapest route, nor within the tolerance of one for the
+    # hops it would run. Equal costs are not dominance, so replicas stay available as tie choices.
+    grow = 1.0 + tolerance
     return (
         better.lo <= worse.lo
         and better.hi >= worse.hi
-        and better.hop_cost <= worse.hop_cost
-        and better.block_cost <= worse.block_cost
+        and better.hop_cost * grow <= worse.hop_cost
+        and better.block_cost * grow <= worse.block_cost
         and (better.hop_cost < worse.hop_cost or better.block_cost < worse.block_cost)
     )
 
 
-def _drop_dominated(groups: Sequence[_Group]) -> tuple[list[_Group], dict[int, list[int]]]:
+def _drop_dominated(groups: Sequence[_Group], tolerance: float) -> tuple[list[_Group], dict[int, list[int]]]:
     """Groups that no other group dominates, and for each block the indices of those among them containing it.
 
     Usually only a handful survive, which keeps the sweep in _route_costs near O(blocks) even with many servers.
@@ -122,7 +145,7 @@ def _drop_dominated(groups: Sequence[_Group]) -> tuple[list[_Group], dict[int, l
     # comparing with the kept groups alone is enough; a dominating group contains the dominated one's first block,
     # so only the kept groups covering that block need comparing, which stays cheap for many short, disjoint spans.
     for group in sorted(groups, key=lambda g: (g.hop_cost, g.block_cost, g.lo, -g.hi)):
-        if any(_dominates(kept[other], group) for other in covering.get(group.lo, ())):
+        if any(_dominates(kept[other], group, tolerance) for other in covering.get(group.lo, ())):
             continue
         for block in range(group.lo, group.hi):
             covering.setdefault(block, []).append(len(kept))
@@ -166,19 +189,29 @@ def _route_costs(groups: Sequence[_Group], covering: dict[int, list[int]], start
 
 
 def _choose_hop(
-    groups: Sequence[_Group], enders: Sequence[int], cost: Sequence[float], j: int, rng: random.Random | None
-) -> tuple[str, int]:
-    """Pick the last hop (peer, origin) of a cheapest route ending at j, among all equally cheap ones.
+    groups: Sequence[_Group],
+    enders: Sequence[int],
+    cost: Sequence[float],
+    j: int,
+    rng: random.Random | None,
+    budget: float,
+    prefer: frozenset[str],
+) -> tuple[str, int, float]:
+    """Pick the last hop (peer, origin, excess) of a route ending at j that costs at most `budget` more than the
+    cheapest one; excess is how much more it costs. A preferred peer among the candidates wins over the draw.
 
     enders are the indices of the groups containing block j - 1: exactly those that can run a hop ending at j.
     """
-    slack = _TIE_REL_TOL * max(1.0, cost[j])
-    ties: list[tuple[str, int]] = []
+    slack = _TIE_REL_TOL * max(1.0, cost[j]) + budget
+    ties: list[tuple[str, int, float]] = []
     for group in (groups[g] for g in enders):
         for i in range(group.lo, j):
-            if cost[i] + group.hop_cost + (j - i) * group.block_cost <= cost[j] + slack:
-                ties.extend((peer, i) for peer in group.peers)
+            excess = cost[i] + group.hop_cost + (j - i) * group.block_cost - cost[j]
+            if excess <= slack:
+                ties.extend((peer, i, max(0.0, excess)) for peer in group.peers)
     # The origin that produced cost[j] reproduces it exactly, so `ties` is never empty for a reachable j.
+    # Stickiness: drawing among near-ties must not move a client off the server it used last.
+    ties = [tie for tie in ties if tie[0] in prefer] or ties
     if rng is None:
         return min(ties)
     return rng.choice(sorted(ties))
@@ -203,28 +236,45 @@ def find_route(
     banned: Collection[str] = (),
     tokens: int = 1,
     rng: random.Random | None = None,
+    tie_tolerance: float = 0.0,
+    prefer: Collection[str] = (),
+    stickiness: float = 0.0,
 ) -> list[RouteSpan] | None:
     """Cheapest chain of hops applying every block of [start, end) exactly once; None if some block is uncovered.
 
-    A hop on server s running k blocks costs DEFAULT_HOP_COST_S + latency + k * tokens / s.throughput, so routes
-    with fewer hops and nearer servers win, and for large inputs faster servers win. A hop may begin at any block
-    inside the server's span. With rng, ties between equally cheap routes are broken at random (spreading load over
-    replicas); without it the choice is deterministic (smallest peer_id, then longest final hop).
+    A hop on server s running k blocks costs (DEFAULT_HOP_COST_S + latency + k * tokens / s.throughput) times
+    (1 + its bounded load), so routes with fewer hops and nearer, idler servers win, and for large inputs faster
+    servers win. A hop may begin at any block inside the server's span.
+
+    With rng, the route is drawn at random among those costing at most tie_tolerance (a fraction) more than the
+    cheapest, so clients whose measurements differ by jitter still spread over replicas; without rng the choice is
+    deterministic and cheapest (smallest peer_id, then longest final hop). Servers in `prefer` (those the caller
+    used last) count as cheaper by the factor 1 + stickiness, so a route keeps them until another server is cheaper
+    by more than that margin; the route then costs at most (1 + stickiness) (1 + tie_tolerance) times the cheapest.
     """
     _check_range(start, end)
     if tokens < 0:
         raise ValueError(f"tokens must be >= 0, got {tokens}")
+    if not (tie_tolerance >= 0 and stickiness >= 0 and math.isfinite(tie_tolerance + stickiness)):
+        raise ValueError(f"tie_tolerance and stickiness must be finite and >= 0, got {tie_tolerance}, {stickiness}")
     if start == end:
         return []
-    # Banned ids are looked up once per server; a set keeps that O(1) whatever collection the caller passed.
-    groups, covering = _drop_dominated(_group_servers(servers, start, end, frozenset(banned), tokens))
+    tolerance = tie_tolerance if rng is not None else 0.0
+    # Banned and preferred ids are looked up once per server; sets keep that O(1) whatever collection was passed.
+    prefer = frozenset(prefer)
+    found = _group_servers(servers, start, end, frozenset(banned), tokens, prefer, stickiness)
+    groups, covering = _drop_dominated(found, tolerance)
     cost = _route_costs(groups, covering, start, end)
     if math.isinf(cost[end]):
         return None
+    # Each chosen hop may cost more than the cheapest by what is left of the route's slack, so the whole route stays
+    # within the tolerance of the cheapest however many hops it has.
+    budget = tolerance * cost[end]
     hops: list[RouteSpan] = []
     j = end
     while j > start:
-        peer, i = _choose_hop(groups, covering[j - 1], cost, j, rng)
+        peer, i, excess = _choose_hop(groups, covering[j - 1], cost, j, rng, budget, prefer)
+        budget = max(0.0, budget - excess)
         hops.append(RouteSpan(peer, i, j))
         j = i
     hops.reverse()

@@ -1,0 +1,154 @@
+"""Benchmark: many users at once through one loopback swarm, against one local process serving them in turn.
+
+Prints (1) the aggregate greedy decode rate of 8 users generating different prompts at once through 2 servers (their
+decode steps batch on the servers) against local generate() of the same prompts one after another, and (2) how much
+one user's decode latency grows while another client runs 2048-token forward/backward passes through the same
+servers (the servers run inference steps before forward and backward work).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import threading
+import time
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from swarmlm.client.model import AutoDistributedModelForCausalLM
+from swarmlm.local_swarm import LocalSwarm, even_spans
+from swarmlm.models.loading import DEFAULT_MODEL, load_config, load_tokenizer, resolve_model
+
+QUESTIONS = [
+    "What is the capital of France?", "Name three primary colors.", "Why is the sky blue?",
+    "What is 12 times 12?", "Who wrote Hamlet?", "What do bees make?", "How many legs has a spider?",
+    "What is the boiling point of water?",
+]  # fmt: skip
+BATCH_LINE = "inference batch sessions="
+
+
+def prompts(model_dir: object) -> list[torch.Tensor]:
+    tokenizer = load_tokenizer(model_dir)
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )["input_ids"]
+        for q in QUESTIONS
+    ]
+
+
+def greedy(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    return out[0, ids.shape[1] :].tolist()
+
+
+def together(model: torch.nn.Module, inputs: list[torch.Tensor], new_tokens: int) -> tuple[float, list[list[int]]]:
+    """Aggregate new tokens/s of all prompts generated at once, one thread each, and their outputs."""
+    outputs: list[list[int]] = [[] for _ in inputs]
+
+    def work(index: int) -> None:
+        outputs[index] = greedy(model, inputs[index], new_tokens)
+
+    began = time.perf_counter()
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(inputs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return len(inputs) * new_tokens / (time.perf_counter() - began), outputs
+
+
+class Gaps:
+    """A streamer recording the time between new tokens."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+    def median_gap_s(self) -> float:
+        return statistics.median(b - a for a, b in zip(self.times[2:], self.times[3:], strict=False))
+
+
+def decode_gap(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int) -> float:
+    gaps = Gaps()
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, streamer=gaps)
+    return gaps.median_gap_s()
+
+
+def training_load(model: torch.nn.Module, tokens: int, stop: threading.Event, passes: list[float]) -> None:
+    """Forward and backward of (1, tokens) hidden states through all blocks, in a loop until stopped."""
+    hidden_size = model.config.hidden_size
+    while not stop.is_set():
+        began = time.perf_counter()
+        hidden = torch.randn(1, tokens, hidden_size).requires_grad_()
+        model.model.layers(hidden).sum().backward()
+        passes.append(time.perf_counter() - began)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--train-tokens", type=int, default=2048, help="tokens of the competing forward/backward")
+    args = parser.parse_args()
+    model_dir = resolve_model(args.model)
+    num_blocks = load_config(model_dir).num_hidden_layers
+    inputs = prompts(model_dir)
+    print(f"model {args.model}, {len(inputs)} users, {args.new_tokens} new tokens each, greedy, fp32, "
+          f"torch threads {torch.get_num_threads()}")  # fmt: skip
+
+    local = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa", dtype=torch.float32).eval()
+    greedy(local, inputs[0], 4)  # warm-up
+    began = time.perf_counter()
+    expected = [greedy(local, ids, args.new_tokens) for ids in inputs]
+    local_rate = len(inputs) * args.new_tokens / (time.perf_counter() - began)
+    del local
+
+    with LocalSwarm(str(model_dir)) as swarm:
+        swarm.start_servers(even_spans(num_blocks, 2))
+        with AutoDistributedModelForCausalLM.from_pretrained(str(model_dir), initial_peers=swarm.initial_peers) as m:
+            greedy(m, inputs[0], 4)  # warm-up: routes measured, connections open
+            single_rate = 1.0 / decode_gap(m, inputs[0], args.new_tokens)
+            swarm_rate, outputs = together(m, inputs, args.new_tokens)
+            if outputs != expected:
+                raise SystemExit("the swarm generated other tokens than the local model")
+            batches = [
+                int(line.split(BATCH_LINE)[1].split()[0])
+                for server in swarm.servers
+                for line in server.log_path.read_text(errors="replace").splitlines()
+                if BATCH_LINE in line
+            ]
+            alone = decode_gap(m, inputs[1], args.new_tokens)
+            with AutoDistributedModelForCausalLM.from_pretrained(
+                str(model_dir), initial_peers=swarm.initial_peers
+            ) as trainer:
+                stop, passes = threading.Event(), []
+                load = threading.Thread(target=training_load, args=(trainer, args.train_tokens, stop, passes))
+                load.start()
+                time.sleep(2.0)  # the first pass is under way
+                loaded = decode_gap(m, inputs[1], args.new_tokens)
+                stop.set()
+                load.join()
+
+    print(f"\n{'run':<44}{'tokens/s':>10}{'ratio':>8}")
+    print(f"{'local, the 8 prompts one after another':<44}{local_rate:>10.1f}{1.0:>8.2f}")
+    print(f"{'swarm (2 servers), one user alone':<44}{single_rate:>10.1f}{single_rate / local_rate:>8.2f}")
+    print(f"{'swarm (2 servers), 8 users at once':<44}{swarm_rate:>10.1f}{swarm_rate / local_rate:>8.2f}")
+    if batches:
+        print(f"decode steps batched on the servers: {len(batches)} batches, median {statistics.median(batches):.0f}"
+              f" and at most {max(batches)} sessions each")  # fmt: skip
+    print(f"\ndecode gap of one user, median: {alone * 1000:.0f} ms alone, {loaded * 1000:.0f} ms while another client"
+          f" runs {args.train_tokens}-token forward/backward passes ({len(passes)} passes, median "
+          f"{statistics.median(passes) if passes else float('nan'):.1f} s): ratio {loaded / alone:.2f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""One-token decode steps of several sessions, each with its own KV cache, run through a span as one forward."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F  # noqa: N812 - the usual name
+from transformers.cache_utils import DynamicCache
+
+from swarmlm.models.span import SpanModel
+
+
+class StackedCaches:
+    """The `cache=` of a batched decode step: each layer's update goes to every session's own cache, and the layer
+    attends over their keys/values left-padded to the longest session and stacked along the batch dimension."""
+
+    def __init__(self, caches: Sequence[DynamicCache], rows: Sequence[int], lengths: Sequence[int]):
+        self.caches, self.rows, self.lengths = list(caches), list(rows), list(lengths)
+        self.longest = max(self.lengths)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """key/value_states (rows, kv_heads, 1, head_dim) -> all keys/values (rows, kv_heads, longest + 1, dim)."""
+        keys, values, row = [], [], 0
+        for cache, rows, length in zip(self.caches, self.rows, self.lengths, strict=True):
+            # the session's own cache takes its new token and returns its whole history (rows, kv, length + 1, d)
+            k, v = cache.update(key_states[row : row + rows], value_states[row : row + rows], layer_idx)
+            pad = self.longest - length  # left padding, masked out: the new token stays the last column
+            keys.append(F.pad(k, (0, 0, pad, 0)))
+            values.append(F.pad(v, (0, 0, pad, 0)))
+            row += rows
+        return torch.cat(keys), torch.cat(values)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.longest
+
+    @property
+    def is_compileable(self) -> bool:  # asked by some attention paths; a dynamic, Python-level cache is not
+        return False
+
+
+def decode_batched(
+    span: SpanModel, hidden: Sequence[torch.Tensor], caches: Sequence[DynamicCache], start: int, end: int
+) -> list[torch.Tensor]:
+    """hidden[i] (rows_i, 1, hidden) is one new token of the session owning caches[i]; returns each session's output
+    (rows_i, 1, hidden) after blocks [start, end), as if it had run alone, and appends its token to its own cache."""
+    rows = [h.shape[0] for h in hidden]
+    lengths = [cache.get_seq_length(start) for cache in caches]
+    longest = max(lengths)
+    states = torch.cat(list(hidden))  # (sum rows, 1, hidden)
+    row_lengths = torch.tensor([n for n, r in zip(lengths, rows, strict=True) for _ in range(r)], device=states.device)
+    # each row continues at its own position
+    position_ids = row_lengths.unsqueeze(1)  # (sum rows, 1)
+    # additive mask (sum rows, 1, 1, longest + 1): a row's first longest - length columns are padding
+    columns = torch.arange(longest + 1, device=states.device)
+    padding = columns.unsqueeze(0) < (longest - row_lengths).unsqueeze(1)
+    mask = torch.zeros(padding.shape, dtype=states.dtype, device=states.device)
+    mask = mask.masked_fill(padding, torch.finfo(states.dtype).min)[:, None, None, :]
+    stacked = StackedCaches(caches, rows, lengths)
+    position_embeddings = span.rotary(states, position_ids)
+    for layer in span.layers[start - span.start : end - span.start]:
+        states = layer(
+            states,
+            attention_mask=mask,
+            position_ids=position_ids,
+            cache=stacked,
+            use_cache=True,
+            position_embeddings=position_embeddings,
+        )
+    return list(torch.split(states, rows))

@@ -1,0 +1,166 @@
+"""The server's scheduler: orders work by class and by peer, forms batches, and feeds the one compute thread."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+logger = logging.getLogger(__name__)
+
+# peers remembered for fair share beyond those with queued work; older ones are forgotten (they rejoin as new)
+MAX_REMEMBERED_PEERS = 1024
+
+
+class Kind(IntEnum):
+    """Classes of work, most urgent first: a waiting generation step costs a user latency on every token."""
+
+    INFERENCE = 0
+    FORWARD = 1
+    BACKWARD = 2
+
+
+@dataclass(frozen=True, eq=False)
+class DecodeStep:
+    """A one-token step of a session that may share one forward with other sessions' steps."""
+
+    start: int  # blocks [start, end): only steps over the same blocks run together
+    end: int
+    hidden: torch.Tensor  # (rows, 1, hidden), as received
+    cache: DynamicCache  # the session's own cache, which the step extends by one token
+
+    @property
+    def rows(self) -> int:
+        return self.hidden.shape[0]
+
+
+@dataclass(eq=False)
+class Task:
+    """One request waiting for the compute thread."""
+
+    kind: Kind
+    peer: str
+    seq: int  # arrival order
+    run: Callable[[], Any]  # runs this request alone, on the compute thread
+    decode: DecodeStep | None = None  # set when it may instead join a batched decode step
+    future: asyncio.Future[Any] | None = field(default=None, repr=False)
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    max_sessions: int = 32  # sessions in one batched decode step
+    max_rows: int = 64  # batch rows (sum of the sessions' batch sizes) in one batched decode step
+
+
+def next_batch(queue: Sequence[Task], limits: BatchLimits, last_served: Mapping[str, int]) -> list[Task]:
+    """The tasks to run next: from the most urgent class present, the waiting task of the peer served least
+    recently (round robin between peers; arrival order breaks ties), joined, if it is a decode step, by the other
+    decode steps over the same blocks, peers in the same order, within `limits`. Empty only for an empty queue."""
+    if not queue:
+        return []
+    kind = min(task.kind for task in queue)
+    order = sorted((t for t in queue if t.kind == kind), key=lambda t: (last_served.get(t.peer, -1), t.seq))
+    head = order[0]
+    if head.decode is None:
+        return [head]
+    batch, rows, caches = [head], head.decode.rows, {id(head.decode.cache)}
+    for task in order[1:]:
+        step = task.decode
+        if len(batch) >= limits.max_sessions:
+            break
+        if step is None or (step.start, step.end) != (head.decode.start, head.decode.end):
+            continue
+        if rows + step.rows > limits.max_rows or id(step.cache) in caches:
+            continue
+        batch.append(task)
+        rows += step.rows
+        caches.add(id(step.cache))
+    return batch
+
+
+class Scheduler:
+    """Queues requests from the handlers (on the event loop) and runs them on `executor` (one thread), one batch at a
+    time: a lone task by its own `run`, several decode steps by `run_decodes` (a result per step, in order)."""
+
+    def __init__(
+        self, executor: Executor, run_decodes: Callable[[list[DecodeStep]], list[Any]], limits: BatchLimits
+    ):  # fmt: skip
+        self.executor, self.run_decodes, self.limits = executor, run_decodes, limits
+        self.queue: list[Task] = []
+        self.last_served: dict[str, int] = {}
+        self._arrivals = 0
+        self._turns = 0
+        self._runner: asyncio.Task[None] | None = None
+        self.batched_steps = 0  # forwards that ran decode steps of more than one session
+        self.batched_sessions = 0  # session steps that ran in those forwards
+        self.max_sessions_per_step = 1  # most sessions in one forward so far
+
+    async def submit(self, kind: Kind, peer: str, run: Callable[[], Any], decode: DecodeStep | None = None) -> Any:
+        """Queue a request and wait for its result (or its exception)."""
+        loop = asyncio.get_running_loop()
+        self._arrivals += 1
+        future: asyncio.Future[Any] = loop.create_future()
+        task = Task(kind, peer, self._arrivals, run, decode, future)
+        self.queue.append(task)
+        if self._runner is None or self._runner.done():
+            # runs while there is work: what arrives meanwhile waits, and is batched when the thread is free
+            self._runner = loop.create_task(self._drain())
+        try:
+            return await future
+        finally:
+            if task in self.queue:  # the caller gave up before its turn
+                self.queue.remove(task)
+
+    async def _drain(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self.queue:
+            batch = next_batch(self.queue, self.limits, self.last_served)
+            for task in batch:
+                self.queue.remove(task)
+            batch = [task for task in batch if task.future is not None and not task.future.done()]
+            if not batch:
+                continue
+            self._served(batch)
+            try:
+                results = await loop.run_in_executor(self.executor, self._execute, batch)
+            except BaseException as e:  # noqa: BLE001 - every waiting caller gets the failure, then the loop goes on
+                cancelled = isinstance(e, asyncio.CancelledError)
+                for task in batch:
+                    if task.future is not None and not task.future.done():
+                        task.future.cancel() if cancelled else task.future.set_exception(e)
+                if cancelled:
+                    raise
+                continue
+            for task, result in zip(batch, results, strict=True):
+                if task.future is not None and not task.future.done():
+                    task.future.set_result(result)
+
+    def _execute(self, batch: list[Task]) -> list[Any]:
+        """On the compute thread."""
+        if len(batch) == 1:
+            return [batch[0].run()]
+        steps = [task.decode for task in batch if task.decode is not None]
+        results = self.run_decodes(steps)
+        self.batched_steps += 1
+        self.batched_sessions += len(steps)
+        self.max_sessions_per_step = max(self.max_sessions_per_step, len(steps))
+        return results
+
+    def _served(self, batch: list[Task]) -> None:
+        self._turns += 1
+        for task in batch:
+            self.last_served[task.peer] = self._turns
+        if len(self.last_served) > MAX_REMEMBERED_PEERS:
+            waiting = {task.peer for task in self.queue}
+            for peer in sorted(self.last_served, key=self.last_served.__getitem__):
+                if len(self.last_served) <= MAX_REMEMBERED_PEERS // 2:
+                    break
+                if peer not in waiting:
+                    del self.last_served[peer]

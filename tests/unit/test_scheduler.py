@@ -1,0 +1,143 @@
+"""The server's scheduler: class priorities, fair share between peers, batch formation; no sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+from swarmlm.server.scheduler import BatchLimits, DecodeStep, Kind, Scheduler, Task, next_batch
+
+LIMITS = BatchLimits(max_sessions=3, max_rows=4)
+
+
+def task(kind: Kind, peer: str, seq: int, decode: DecodeStep | None = None) -> Task:
+    return Task(kind, peer, seq, run=lambda: seq, decode=decode)
+
+
+def decode(start: int = 0, end: int = 5, rows: int = 1, cache: DynamicCache | None = None) -> DecodeStep:
+    return DecodeStep(start, end, torch.zeros(rows, 1, 8), cache if cache is not None else DynamicCache())
+
+
+def seqs(batch: list[Task]) -> list[int]:
+    return [t.seq for t in batch]
+
+
+def test_empty_queue_gives_nothing() -> None:
+    assert next_batch([], LIMITS, {}) == []
+
+
+def test_inference_before_forward_before_backward() -> None:
+    queue = [task(Kind.BACKWARD, "a", 1), task(Kind.FORWARD, "b", 2), task(Kind.INFERENCE, "c", 3)]
+    assert seqs(next_batch(queue, LIMITS, {})) == [3]
+    assert seqs(next_batch(queue[:2], LIMITS, {})) == [2]
+    assert seqs(next_batch(queue[:1], LIMITS, {})) == [1]
+
+
+def test_arrival_order_within_a_peer() -> None:
+    queue = [task(Kind.FORWARD, "a", 5), task(Kind.FORWARD, "a", 2), task(Kind.FORWARD, "a", 9)]
+    assert seqs(next_batch(queue, LIMITS, {})) == [2]
+
+
+def test_round_robin_between_peers() -> None:
+    """One peer's many queued batches do not starve another peer that arrived later."""
+    queue = [task(Kind.FORWARD, "greedy", i) for i in range(10)] + [task(Kind.FORWARD, "other", 10)]
+    served: dict[str, int] = {}
+    order = []
+    for turn in range(4):
+        (chosen,) = next_batch(queue, LIMITS, served)
+        queue.remove(chosen)
+        served[chosen.peer] = turn
+        order.append(chosen.peer)
+    assert order == ["greedy", "other", "greedy", "greedy"]
+
+
+def test_peer_served_least_recently_goes_first() -> None:
+    queue = [task(Kind.INFERENCE, "a", 1), task(Kind.INFERENCE, "b", 2)]
+    assert seqs(next_batch(queue, LIMITS, {"a": 7, "b": 3})) == [2]
+    assert seqs(next_batch(queue, LIMITS, {"b": 3})) == [1]  # never served: first
+
+
+def test_decode_steps_over_the_same_blocks_form_one_batch() -> None:
+    queue = [
+        task(Kind.INFERENCE, "a", 1, decode()),
+        task(Kind.INFERENCE, "b", 2, decode(0, 3)),  # other blocks
+        task(Kind.INFERENCE, "c", 3),  # not a plain decode step: runs alone
+        task(Kind.INFERENCE, "d", 4, decode()),
+        task(Kind.FORWARD, "e", 5),
+    ]
+    assert seqs(next_batch(queue, LIMITS, {})) == [1, 4]
+
+
+def test_a_lone_step_heads_its_own_batch() -> None:
+    queue = [task(Kind.INFERENCE, "c", 1), task(Kind.INFERENCE, "d", 2, decode())]
+    assert seqs(next_batch(queue, LIMITS, {})) == [1]
+
+
+def test_batch_limits_on_sessions_and_rows() -> None:
+    queue = [task(Kind.INFERENCE, p, i, decode()) for i, p in enumerate("abcde")]
+    assert seqs(next_batch(queue, LIMITS, {})) == [0, 1, 2]  # max_sessions
+    queue = [task(Kind.INFERENCE, "a", 0, decode(rows=3)), task(Kind.INFERENCE, "b", 1, decode(rows=2)),
+             task(Kind.INFERENCE, "c", 2, decode(rows=1))]  # fmt: skip
+    assert seqs(next_batch(queue, LIMITS, {})) == [0, 2]  # max_rows: 3 + 2 > 4
+
+
+def test_one_cache_is_never_twice_in_a_batch() -> None:
+    cache = DynamicCache()
+    queue = [task(Kind.INFERENCE, "a", 0, decode(cache=cache)), task(Kind.INFERENCE, "a", 1, decode(cache=cache))]
+    assert seqs(next_batch(queue, LIMITS, {})) == [0]
+
+
+def test_decode_steps_batch_while_the_compute_thread_is_busy() -> None:
+    """What arrives while the thread works runs next as one batch; results go to their own callers."""
+    release = threading.Event()
+    batches: list[int] = []
+
+    def run_decodes(steps: list[DecodeStep]) -> list[float]:
+        batches.append(len(steps))
+        return [float(step.hidden[0, 0, 0]) for step in steps]
+
+    def blocking() -> str:
+        release.wait(10)
+        return "forward done"
+
+    async def main() -> list[object]:
+        scheduler = Scheduler(ThreadPoolExecutor(1), run_decodes, LIMITS)
+        first = asyncio.ensure_future(scheduler.submit(Kind.FORWARD, "x", blocking))
+        await asyncio.sleep(0.05)  # the forward holds the thread
+        steps = [
+            asyncio.ensure_future(
+                scheduler.submit(Kind.INFERENCE, p, lambda: "alone", DecodeStep(0, 5, torch.full((1, 1, 2), v),
+                                                                                DynamicCache()))
+            )
+            for v, p in [(1.0, "a"), (2.0, "b"), (3.0, "c")]
+        ]  # fmt: skip
+        await asyncio.sleep(0.05)
+        release.set()
+        results = await asyncio.gather(first, *steps)
+        assert scheduler.batched_steps == 1 and scheduler.max_sessions_per_step == 3
+        alone = await scheduler.submit(Kind.INFERENCE, "a", lambda: "alone", decode())
+        return [*results, alone]
+
+    assert asyncio.run(main()) == ["forward done", 1.0, 2.0, 3.0, "alone"]
+    assert batches == [3]
+
+
+def test_a_failure_reaches_its_callers_and_the_queue_goes_on() -> None:
+    def boom() -> None:
+        raise ValueError("bad")
+
+    async def main() -> object:
+        scheduler = Scheduler(ThreadPoolExecutor(1), lambda steps: [], LIMITS)
+        try:
+            await scheduler.submit(Kind.FORWARD, "x", boom)
+        except ValueError:
+            pass
+        else:
+            raise AssertionError("the failure was lost")
+        return await scheduler.submit(Kind.FORWARD, "x", lambda: 42)
+
+    assert asyncio.run(main()) == 42
