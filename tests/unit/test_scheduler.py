@@ -141,3 +141,51 @@ def test_a_failure_reaches_its_callers_and_the_queue_goes_on() -> None:
         return await scheduler.submit(Kind.FORWARD, "x", lambda: 42)
 
     assert asyncio.run(main()) == 42
+
+
+def test_inference_steps_run_between_the_blocks_of_a_long_request() -> None:
+    """A long request runs a quantum (block) at a time: a step that arrives meanwhile waits one quantum, not all."""
+    order: list[str] = []
+    started = threading.Event()
+
+    def long_forward():  # noqa: ANN202 - a generator, as SpanBackend._run_by_block
+        for block in range(4):
+            order.append(f"block {block}")
+            started.set()
+            threading.Event().wait(0.05)
+            yield
+        return "forward done"
+
+    async def main() -> list[object]:
+        scheduler = Scheduler(ThreadPoolExecutor(1), lambda steps: [], LIMITS)
+        forward = asyncio.ensure_future(scheduler.submit(Kind.FORWARD, "trainer", long_forward))
+        await asyncio.to_thread(started.wait, 5)
+        step = await scheduler.submit(Kind.INFERENCE, "user", lambda: order.append("step") or "step done")
+        return [await forward, step]
+
+    assert asyncio.run(main()) == ["forward done", "step done"]
+    # the step ran before the forward's last block: it waited for at most the block in progress
+    assert order.index("step") < order.index("block 3"), order
+
+
+def test_a_caller_that_gives_up_stops_its_long_request() -> None:
+    ran: list[int] = []
+
+    def endless():  # noqa: ANN202
+        while True:
+            ran.append(1)
+            threading.Event().wait(0.01)
+            yield
+
+    async def main() -> None:
+        scheduler = Scheduler(ThreadPoolExecutor(1), lambda steps: [], LIMITS)
+        forward = asyncio.ensure_future(scheduler.submit(Kind.FORWARD, "x", endless))
+        await asyncio.sleep(0.1)
+        forward.cancel()
+        await asyncio.sleep(0.1)
+        done = len(ran)
+        await asyncio.sleep(0.1)
+        assert len(ran) <= done + 1  # no more quanta once its caller is gone
+        assert await scheduler.submit(Kind.FORWARD, "y", lambda: 7) == 7
+
+    asyncio.run(main())

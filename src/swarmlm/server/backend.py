@@ -6,6 +6,7 @@ import contextlib
 import functools
 import logging
 import time
+from collections.abc import Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -47,30 +48,69 @@ class SpanBackend:
         """Forward: [hidden states after blocks [start, end)]; backward (inputs.grad_outputs given): [grad wrt
         hidden states, (grad wrt prompts)]. Tensors come back in the sender's dtypes, with the compute time in ms."""
         kind = Kind.FORWARD if inputs.grad_outputs is None else Kind.BACKWARD
+        # a block at a time: the scheduler runs waiting inference steps between blocks of a long request
         result: tuple[list[torch.Tensor], float] = await self.scheduler.submit(
-            kind, peer, functools.partial(self._run, start, end, inputs)
+            kind, peer, functools.partial(self._run_by_block, start, end, inputs)
         )
         return result
 
     def _run(self, start: int, end: int, inputs: SpanTensors) -> tuple[list[torch.Tensor], float]:
-        """The one computation of a span: its forward, followed by autograd when grad_outputs are given."""
-        began = time.perf_counter()
+        """_run_by_block in one go."""
+        quanta = self._run_by_block(start, end, inputs)
+        while True:
+            try:
+                next(quanta)
+            except StopIteration as done:
+                result: tuple[list[torch.Tensor], float] = done.value
+                return result
+
+    def _run_by_block(
+        self, start: int, end: int, inputs: SpanTensors
+    ) -> Generator[None, None, tuple[list[torch.Tensor], float]]:
+        """The one computation of a span, yielding after each block: its forward, then, when grad_outputs are
+        given, the backward block by block in reverse (each block's graph is cut from the next one's, so a block's
+        input gradient is exactly what autograd through the whole span gives). Returns the results in the sender's
+        dtypes and the compute time in ms. No grad mode is held across a yield: other work runs in between."""
         backward = inputs.grad_outputs is not None
-        with torch.inference_mode(not backward), torch.enable_grad() if backward else contextlib.nullcontext():
-            hidden = self._to_device(inputs.hidden, backward)
-            prompts = None if inputs.prompts is None else self._to_device(inputs.prompts, backward)
-            mask = None if inputs.attention_mask is None else inputs.attention_mask.to(self.device)
-            positions = None if inputs.position_ids is None else inputs.position_ids.to(self.device)
-            out = self.span(hidden, start=start, end=end, attention_mask=mask, position_ids=positions, prompts=prompts)
-            if inputs.grad_outputs is not None:
-                wrt = [hidden] if prompts is None else [hidden, prompts]
-                grad_outputs = inputs.grad_outputs.to(self.device, self.dtype)
-                results = list(torch.autograd.grad(out, wrt, grad_outputs=grad_outputs))
-                answer_dtypes = [inputs.hidden.dtype] + ([] if inputs.prompts is None else [inputs.prompts.dtype])
-            else:
-                results, answer_dtypes = [out], [inputs.hidden.dtype]
-            results = [r.detach().to("cpu", dtype) for r, dtype in zip(results, answer_dtypes, strict=True)]
-        return results, (time.perf_counter() - began) * 1000
+        spent = 0.0
+        mask = None if inputs.attention_mask is None else inputs.attention_mask.to(self.device)
+        positions = None if inputs.position_ids is None else inputs.position_ids.to(self.device)
+        hidden = inputs.hidden.to(self.device, self.dtype)
+        prompts = None if inputs.prompts is None else inputs.prompts.to(self.device, self.dtype)
+        saved: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []  # (input, prompt, output) per block
+        for block in range(start, end):
+            began = time.perf_counter()
+            with _grad_mode(backward):
+                block_input = hidden.detach().requires_grad_() if backward else hidden
+                prompt = None if prompts is None else prompts[block - start : block - start + 1]
+                if prompt is not None and backward:
+                    prompt = prompt.detach().requires_grad_()
+                hidden = self.span(
+                    block_input, start=block, end=block + 1, attention_mask=mask, position_ids=positions,
+                    prompts=prompt,
+                )  # fmt: skip
+                if backward:
+                    saved.append((block_input, prompt, hidden))
+            spent += time.perf_counter() - began
+            yield
+        if inputs.grad_outputs is None:
+            return [hidden.to("cpu", inputs.hidden.dtype)], spent * 1000
+        grad = inputs.grad_outputs.to(self.device, self.dtype)
+        prompt_grads: list[torch.Tensor] = []
+        for block_input, prompt, output in reversed(saved):
+            began = time.perf_counter()
+            with torch.enable_grad():
+                wrt = [block_input] if prompt is None else [block_input, prompt]
+                grads = torch.autograd.grad(output, wrt, grad_outputs=grad)
+            grad = grads[0]
+            if prompt is not None:
+                prompt_grads.insert(0, grads[1])
+            spent += time.perf_counter() - began
+            yield
+        results = [grad.to("cpu", inputs.hidden.dtype)]
+        if inputs.prompts is not None:
+            results.append(torch.cat(prompt_grads, dim=0).to("cpu", inputs.prompts.dtype))
+        return results, spent * 1000
 
     async def step(
         self, cache: DynamicCache, start: int, end: int, inputs: SpanTensors, chunk_tokens: int,
@@ -129,9 +169,6 @@ class SpanBackend:
             result = torch.cat(outputs, dim=1).to("cpu", inputs.hidden.dtype)
         return [result], (time.perf_counter() - began) * 1000
 
-    def _to_device(self, tensor: torch.Tensor, requires_grad: bool) -> torch.Tensor:
-        return tensor.to(self.device, self.dtype).requires_grad_(requires_grad)
-
     def measure_throughput(self, tokens: int = 32, repeats: int = 3) -> float:
         """Tokens per second through one block, measured on random inputs at start-up."""
         hidden = torch.randn(1, tokens, self.limits.hidden_size)
@@ -164,3 +201,10 @@ def _plain_decode(cache: DynamicCache, start: int, inputs: SpanTensors, start_fr
     if start_from is not None and start_from != past:
         return False
     return inputs.position_ids is None or bool((inputs.position_ids == past).all())
+
+
+@contextlib.contextmanager
+def _grad_mode(backward: bool) -> Iterator[None]:
+    """Autograd on for a backward's blocks, inference mode for a forward's."""
+    with torch.enable_grad() if backward else torch.inference_mode():
+        yield

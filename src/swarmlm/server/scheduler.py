@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers.cache_utils import DynamicCache
@@ -48,9 +49,12 @@ class Task:
     kind: Kind
     peer: str
     seq: int  # arrival order
-    run: Callable[[], Any]  # runs this request alone, on the compute thread
+    run: Callable[[], Any]  # runs this request alone, on the compute thread; may return a generator (see below)
     decode: DecodeStep | None = None  # set when it may instead join a batched decode step
     future: asyncio.Future[Any] | None = field(default=None, repr=False)
+    # a long request runs as a generator yielding between quanta (blocks): it goes back into the queue after each
+    # quantum, so more urgent work (inference steps) and other peers' turns run in between; its return is the result
+    quanta: Generator[None, None, Any] | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,10 @@ def next_batch(queue: Sequence[Task], limits: BatchLimits, last_served: Mapping[
         rows += step.rows
         caches.add(id(step.cache))
     return batch
+
+
+# what _advance returns when a long task has run one quantum and has more to run
+_UNFINISHED: Any = object()
 
 
 class Scheduler:
@@ -138,6 +146,9 @@ class Scheduler:
                 if cancelled:
                     raise
                 continue
+            if results is _UNFINISHED:
+                self.queue.append(batch[0])  # its next quantum waits for its turn like any other task
+                continue
             for task, result in zip(batch, results, strict=True):
                 if task.future is not None and not task.future.done():
                     task.future.set_result(result)
@@ -145,13 +156,27 @@ class Scheduler:
     def _execute(self, batch: list[Task]) -> list[Any]:
         """On the compute thread."""
         if len(batch) == 1:
-            return [batch[0].run()]
+            return self._advance(batch[0])
         steps = [task.decode for task in batch if task.decode is not None]
         results = self.run_decodes(steps)
         self.batched_steps += 1
         self.batched_sessions += len(steps)
         self.max_sessions_per_step = max(self.max_sessions_per_step, len(steps))
         return results
+
+    @staticmethod
+    def _advance(task: Task) -> Any:
+        """Run a lone task, or the next quantum of a long one: [its result], or _UNFINISHED."""
+        if task.quanta is None:
+            result = task.run()
+            if not inspect.isgenerator(result):
+                return [result]
+            task.quanta = cast(Generator[None, None, Any], result)
+        try:
+            next(task.quanta)
+        except StopIteration as done:
+            return [done.value]
+        return _UNFINISHED
 
     def _served(self, batch: list[Task]) -> None:
         self._turns += 1
