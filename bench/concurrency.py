@@ -1,7 +1,8 @@
 """Benchmark: many users at once through one loopback swarm, against one local process serving them in turn.
 
-Prints (1) the aggregate greedy decode rate of 8 users generating different prompts at once through 2 servers (their
-decode steps batch on the servers) against local generate() of the same prompts one after another, and (2) how much
+Prints (1) the aggregate greedy decode rate of 1, 4 and 8 users generating different prompts at once through 2
+servers (their decode steps batch on the servers), with the p50/p95 gap between a user's tokens, against local
+generate() of the same 8 prompts one after another, and (2) how much
 one user's decode latency grows while another client runs 2048-token forward/backward passes through the same
 servers (the servers run inference steps before forward and backward work).
 """
@@ -38,18 +39,24 @@ def prompts(model_dir: object) -> list[torch.Tensor]:
     ]
 
 
-def greedy(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int) -> list[int]:
+def greedy(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, streamer: object = None) -> list[int]:
     with torch.inference_mode():
-        out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+        out = model.generate(
+            ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, streamer=streamer
+        )
     return out[0, ids.shape[1] :].tolist()
 
 
-def together(model: torch.nn.Module, inputs: list[torch.Tensor], new_tokens: int) -> tuple[float, list[list[int]]]:
-    """Aggregate new tokens/s of all prompts generated at once, one thread each, and their outputs."""
+def together(
+    model: torch.nn.Module, inputs: list[torch.Tensor], new_tokens: int
+) -> tuple[float, list[float], list[list[int]]]:
+    """Aggregate new tokens/s of all prompts generated at once (one thread each), every user's gaps between
+    tokens, and the outputs."""
     outputs: list[list[int]] = [[] for _ in inputs]
+    clocks = [Gaps() for _ in inputs]
 
     def work(index: int) -> None:
-        outputs[index] = greedy(model, inputs[index], new_tokens)
+        outputs[index] = greedy(model, inputs[index], new_tokens, clocks[index])
 
     began = time.perf_counter()
     threads = [threading.Thread(target=work, args=(i,)) for i in range(len(inputs))]
@@ -57,7 +64,13 @@ def together(model: torch.nn.Module, inputs: list[torch.Tensor], new_tokens: int
         thread.start()
     for thread in threads:
         thread.join()
-    return len(inputs) * new_tokens / (time.perf_counter() - began), outputs
+    rate = len(inputs) * new_tokens / (time.perf_counter() - began)
+    return rate, [gap for clock in clocks for gap in clock.gaps()], outputs
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 class Gaps:
@@ -72,8 +85,12 @@ class Gaps:
     def end(self) -> None:
         pass
 
+    def gaps(self) -> list[float]:
+        """Gaps between new tokens (the first two calls carry the prompt and the first token)."""
+        return [b - a for a, b in zip(self.times[2:], self.times[3:], strict=False)]
+
     def median_gap_s(self) -> float:
-        return statistics.median(b - a for a, b in zip(self.times[2:], self.times[3:], strict=False))
+        return statistics.median(self.gaps())
 
 
 def decode_gap(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int) -> float:
@@ -116,10 +133,12 @@ def main() -> None:
         swarm.start_servers(even_spans(num_blocks, 2))
         with AutoDistributedModelForCausalLM.from_pretrained(str(model_dir), initial_peers=swarm.initial_peers) as m:
             greedy(m, inputs[0], 4)  # warm-up: routes measured, connections open
-            single_rate = 1.0 / decode_gap(m, inputs[0], args.new_tokens)
-            swarm_rate, outputs = together(m, inputs, args.new_tokens)
-            if outputs != expected:
-                raise SystemExit("the swarm generated other tokens than the local model")
+            runs = {}
+            for users in (1, 4, len(inputs)):
+                rate, gaps, outputs = together(m, inputs[:users], args.new_tokens)
+                if outputs != expected[:users]:
+                    raise SystemExit("the swarm generated other tokens than the local model")
+                runs[users] = (rate, percentile(gaps, 0.5), percentile(gaps, 0.95))
             batches = [
                 int(line.split(BATCH_LINE)[1].split()[0])
                 for server in swarm.servers
@@ -138,10 +157,12 @@ def main() -> None:
                 stop.set()
                 load.join()
 
-    print(f"\n{'run':<44}{'tokens/s':>10}{'ratio':>8}")
-    print(f"{'local, the 8 prompts one after another':<44}{local_rate:>10.1f}{1.0:>8.2f}")
-    print(f"{'swarm (2 servers), one user alone':<44}{single_rate:>10.1f}{single_rate / local_rate:>8.2f}")
-    print(f"{'swarm (2 servers), 8 users at once':<44}{swarm_rate:>10.1f}{swarm_rate / local_rate:>8.2f}")
+    print(f"\n{'run':<40}{'tokens/s':>10}{'ratio':>8}{'vs 1 user':>11}{'p50 ms':>8}{'p95 ms':>8}")
+    print(f"{'local, the 8 prompts one after another':<40}{local_rate:>10.1f}{1.0:>8.2f}")
+    for users, (rate, p50, p95) in runs.items():
+        name = f"swarm (2 servers), {users} user(s) at once"
+        print(f"{name:<40}{rate:>10.1f}{rate / local_rate:>8.2f}{rate / runs[1][0]:>11.2f}"
+              f"{p50 * 1000:>8.0f}{p95 * 1000:>8.0f}")  # fmt: skip
     if batches:
         print(f"decode steps batched on the servers: {len(batches)} batches, median {statistics.median(batches):.0f}"
               f" and at most {max(batches)} sessions each")  # fmt: skip
