@@ -125,9 +125,10 @@ class KillAfterTokens:
         pass
 
 
-def kill_server_of(model: torch.nn.Module, swarm: LocalSwarm, block: int) -> str:
-    """SIGKILL the server that the model's open inference session uses for `block`; return its peer id."""
-    session = model.active_session
+def kill_server_of(model: torch.nn.Module, swarm: LocalSwarm, block: int, session: object = None) -> str:
+    """SIGKILL the server that an open inference session (by default the model's active one in this thread) uses
+    for `block`; return its peer id."""
+    session = session or model.active_session
     peer = next(s.span.peer_id for s in session._spans if s.span.start <= block < s.span.end)
     swarm.kill(next(server for server in swarm.servers if server.peer_id == peer))
     return peer
@@ -141,17 +142,22 @@ def test_sigkill_mid_prefill_and_mid_decode_changes_nothing(smollm_dir, referenc
     with running_swarm(smollm_dir, spans) as swarm, connected_model(smollm_dir, swarm) as model:
         manager = model.model.layers.client.manager
 
+        # the session is opened here, so that the killer thread can watch it (sessions in `with` are per thread)
+        session = model.inference_session(max_length=inputs["input_ids"].shape[1] + 24)
+
         def kill_when_open() -> None:
             # the long prompt's prefill keeps the first span busy: its successor dies before the prefill reaches it
-            while (session := model.active_session) is None or not session._spans:
+            deadline = time.monotonic() + 120
+            while not session._spans and time.monotonic() < deadline:
                 time.sleep(0.005)
-            killed.append(kill_server_of(model, swarm, 15))
+            killed.append(kill_server_of(model, swarm, 15, session))
 
         killed: list[str] = []
         killer = threading.Thread(target=kill_when_open)
         killer.start()
-        output = model.generate(**inputs, max_new_tokens=24, do_sample=False)
-        killer.join()
+        with session:
+            output = model.generate(**inputs, max_new_tokens=24, do_sample=False, session=session)
+        killer.join(timeout=150)
         assert output.tolist() == expected.tolist()
         assert manager.health.failed(killed[0])  # the prefill met the dead server and was recovered
 
