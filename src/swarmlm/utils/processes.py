@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -51,7 +52,21 @@ def kill_group_when_orphaned(parent_pid: int) -> None:
     threading.Thread(target=watch, name="orphan-watch", daemon=True).start()
 
 
+_spawner: ThreadPoolExecutor | None = None
+_spawner_lock = threading.Lock()
+
+
 def spawn_bound(args: Sequence[str], **popen_kwargs: Any) -> subprocess.Popen:
-    """Popen whose child receives SIGTERM if this process dies; the child then shuts down in order."""
-    # the death signal is tied to the forking thread, so spawn from the thread that will live longest
-    return subprocess.Popen(list(args), preexec_fn=set_parent_death_signal, **popen_kwargs)  # noqa: PLW1509
+    """Popen whose child receives SIGTERM if this process dies; the child then shuts down in order.
+
+    The kernel ties the parent-death signal to the forking *thread*: a child forked by a short-lived thread would die
+    with that thread. So every child is forked by one thread that lives as long as this process."""
+    global _spawner
+    with _spawner_lock:
+        if _spawner is None:
+            _spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="swarmlm-spawner")
+    return _spawner.submit(_popen, list(args), popen_kwargs).result()
+
+
+def _popen(args: list[str], popen_kwargs: dict[str, Any]) -> subprocess.Popen:
+    return subprocess.Popen(args, preexec_fn=set_parent_death_signal, **popen_kwargs)  # noqa: PLW1509
