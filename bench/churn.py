@@ -14,7 +14,7 @@ import time
 import torch
 
 from swarmlm.client.model import AutoDistributedModelForCausalLM
-from swarmlm.local_swarm import LocalServer, LocalSwarm
+from swarmlm.local_swarm import LocalSwarm
 from swarmlm.models.loading import DEFAULT_MODEL, load_config, load_tokenizer, resolve_model
 
 # short periods so that a run shows the whole cycle in about a minute
@@ -65,17 +65,17 @@ def main() -> None:
     with LocalSwarm(str(model_dir)) as swarm:
         first = swarm.add_server(num_blocks=half, extra_args=SERVER_ARGS)
         second = swarm.add_server(num_blocks=num_blocks - half, extra_args=SERVER_ARGS)
-        extra: dict[str, LocalServer] = {}
 
         def join() -> None:
-            extra["third"] = swarm.add_server(num_blocks=half, extra_args=SERVER_ARGS)
+            swarm.add_server(num_blocks=half, extra_args=SERVER_ARGS)
 
         # (seconds after the start, what happens)
         events = [
             (10.0, "a third server joins", join),
-            (25.0, "the first server leaves (SIGTERM: drain)", lambda: swarm.stop_server(first)),
-            (40.0, "the second server crashes (SIGKILL): a survivor must move", lambda: swarm.kill(second)),
-            (65.0, "end", lambda: None),
+            (25.0, "the first server crashes (SIGKILL): a survivor must move", lambda: swarm.kill(first)),
+            (45.0, "a fourth server joins", join),
+            (55.0, "the second server leaves (SIGTERM: drain)", lambda: swarm.stop_server(second)),
+            (75.0, "end", lambda: None),
         ]
         with AutoDistributedModelForCausalLM.from_pretrained(str(model_dir), initial_peers=swarm.initial_peers) as m:
             tokens, stop, failures = Tokens(), threading.Event(), []
