@@ -12,6 +12,7 @@ import threading
 import time
 
 import torch
+from concurrency import Gaps  # bench/ is on the path when a benchmark runs as a script
 
 from swarmlm.client.model import AutoDistributedModelForCausalLM
 from swarmlm.local_swarm import LocalSwarm
@@ -21,20 +22,7 @@ from swarmlm.models.loading import DEFAULT_MODEL, load_config, load_tokenizer, r
 SERVER_ARGS = ["--rebalance-interval", "5", "--announce-interval", "2", "--record-ttl", "6", "--drain-timeout", "5"]
 
 
-class Tokens:
-    """A streamer recording when each token arrives."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def put(self, value: torch.Tensor) -> None:
-        self.times.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
-
-
-def generate_forever(model: torch.nn.Module, ids: torch.Tensor, tokens: Tokens, stop: threading.Event,
+def generate_forever(model: torch.nn.Module, ids: torch.Tensor, tokens: Gaps, stop: threading.Event,
                      failures: list[str]) -> None:  # fmt: skip
     while not stop.is_set():
         try:
@@ -78,7 +66,7 @@ def main() -> None:
             (75.0, "end", lambda: None),
         ]
         with AutoDistributedModelForCausalLM.from_pretrained(str(model_dir), initial_peers=swarm.initial_peers) as m:
-            tokens, stop, failures = Tokens(), threading.Event(), []
+            tokens, stop, failures = Gaps(), threading.Event(), []
             worker = threading.Thread(target=generate_forever, args=(m, ids, tokens, stop, failures))
             began = time.perf_counter()
             worker.start()
