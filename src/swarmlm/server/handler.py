@@ -16,7 +16,7 @@ from swarmlm.protocol.codec import drain, encode, read_only_message
 from swarmlm.protocol.messages import BackwardRequest, ForwardRequest, InfoRequest, ReplyHeader, ServerInfo
 from swarmlm.server.backend import SpanBackend
 from swarmlm.server.inference import InferenceSessions
-from swarmlm.server.peers import short, where
+from swarmlm.server.peers import refusal, short, where
 from swarmlm.server.validation import check_span_request, max_message_bytes
 
 logger = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ class SpanHandler:
         except ProtocolError as e:
             self.rejected += 1
             logger.warning("%s rejected peer=...%s: %s", kind, peer, short(str(e)))
-            reply = ReplyHeader(ok=False, error=short(str(e)), error_kind=getattr(e, "error_kind", "bad_request"))
+            reply = refusal(e)
             outputs, refused = [], True
         except Exception as e:  # noqa: BLE001 - any failure must become an error reply, never a dead server
             self.rejected += 1

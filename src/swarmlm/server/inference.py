@@ -16,7 +16,7 @@ from swarmlm.protocol.codec import drain, encode, read_message
 from swarmlm.protocol.messages import InferenceOpen, InferenceStep, ReplyHeader
 from swarmlm.server.backend import SpanBackend
 from swarmlm.server.cache import CacheBudget, ServerBusyError
-from swarmlm.server.peers import LimitError, PeerLedger, short, where
+from swarmlm.server.peers import LimitError, PeerLedger, refusal, short, where
 from swarmlm.server.validation import check_open, check_step, max_message_bytes
 
 logger = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ class InferenceSessions:
         except (ProtocolError, ServerBusyError, TimeoutError) as e:
             text = short(str(e) or "no open message in time")
             logger.warning("inference open refused peer=...%s: %s", peer[-6:], text)
-            yield _reply(ReplyHeader(ok=False, error=text, error_kind=getattr(e, "error_kind", "bad_request")))
+            yield _reply(refusal(e, text))
             await self._drain(requests)
             return
         if session is None:
@@ -117,9 +117,7 @@ class InferenceSessions:
                 logger.info("inference session idle for %.0f s, closing peer=...%s", self.idle_timeout_s, peer)
                 return
             except ProtocolError as e:
-                yield _reply(
-                    ReplyHeader(ok=False, error=short(str(e)), error_kind=getattr(e, "error_kind", "bad_request"))
-                )
+                yield _reply(refusal(e))
                 await self._drain(requests)
                 return  # the stream itself is broken: nothing after this can be parsed
             if message is None:
@@ -132,9 +130,7 @@ class InferenceSessions:
             except ProtocolError as e:
                 logger.warning("inference step rejected peer=...%s: %s", peer, short(str(e)))
                 # too_large: over this server's own limits (another server may take it)
-                yield _reply(
-                    ReplyHeader(ok=False, error=short(str(e)), error_kind=getattr(e, "error_kind", "bad_request"))
-                )
+                yield _reply(refusal(e))
                 continue  # the cache is untouched: the session goes on
             before = _lengths(cache, session)
             try:

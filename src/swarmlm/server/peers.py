@@ -9,6 +9,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from swarmlm.errors import ProtocolError
+from swarmlm.protocol.messages import ReplyHeader
 
 # Error text in replies and log lines is cut to this many characters: a hostile header must not echo back in full.
 MAX_ERROR_CHARS = 500
@@ -17,6 +18,13 @@ MAX_ERROR_CHARS = 500
 def short(text: str, limit: int = MAX_ERROR_CHARS) -> str:
     """`text` cut to `limit` characters, saying how much was cut."""
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
+
+
+def refusal(error: BaseException, text: str | None = None) -> ReplyHeader:
+    """The reply refusing a request: short text, and the error's kind of limit (busy / too_large) or bad_request."""
+    return ReplyHeader(
+        ok=False, error=short(text or str(error)), error_kind=getattr(error, "error_kind", "bad_request")
+    )
 
 
 def where(error: BaseException) -> str:
