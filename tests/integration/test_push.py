@@ -11,7 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from swarmlm.client.span_call import call_span
+from swarmlm.errors import BadRequestError
 from swarmlm.local_swarm import LocalSwarm
+from swarmlm.protocol.messages import PushStep
 from tests.conftest import connected_model, load_reference, running_swarm
 
 SPANS = [(0, 2), (2, 4), (4, 5), (0, 5)]  # three servers in a chain, and one holding every block (the replica)
@@ -81,3 +84,14 @@ def test_a_killed_server_mid_generation_falls_back_and_changes_nothing(tiny_mode
             middle.process.wait()
             rest = model.generate(None, max_new_tokens=8, min_new_tokens=8, do_sample=False, session=session)
     assert torch.cat([first, rest], dim=1)[0].tolist() == expected
+
+
+def test_a_push_to_a_session_that_does_not_exist_is_refused(tiny_model_dir, swarm) -> None:
+    step = PushStep(session_id="0" * 32, start_from_position=0)
+    with connected_model(tiny_model_dir, swarm) as model:
+        client = model.model.layers.client
+        peer = next(iter(model.server_infos()))
+        with pytest.raises(BadRequestError, match="no open session has this id"):
+            client.loop.run(call_span(client.manager, peer, "rpc_push", step, [torch.zeros(1, 1, 64)], []))
+        # the server goes on serving
+        assert model.generate(torch.tensor([[1, 2]]), max_new_tokens=2).shape == (1, 4)
