@@ -57,3 +57,4 @@ class ClientConfig:
     route_tie_tolerance: float = 0.05  # routes within this fraction of the cheapest are drawn at random (spreads load)
     route_stickiness: float = 0.2  # the servers used last keep their blocks until another is this fraction cheaper
     sticky_route_s: float = 60.0  # how long the servers used last stay preferred after their last use
+    use_push: bool = True  # inference steps travel server to server (each pushes to the next), not via the client

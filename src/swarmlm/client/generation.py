@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from swarmlm.client.inference import InferenceSession
+from swarmlm.client.speculative import DraftModel, PromptLookup, Proposer, speculative_generate
 
 if TYPE_CHECKING:
     from transformers import GenerationMixin, PreTrainedModel
@@ -24,6 +25,8 @@ else:
 
 # new tokens generate() makes when neither max_new_tokens nor max_length says otherwise (Hugging Face's default)
 DEFAULT_MAX_NEW_TOKENS = 20
+# tokens a draft model proposes per round when generate() is not given num_assistant_tokens
+DEFAULT_DRAFT_TOKENS = 5
 
 
 def new_tokens(session: InferenceSession, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, int]:
@@ -139,7 +142,10 @@ class RemoteGenerationMixin(_ModelBase):
             skipped = previous.shape[1]
         elif inputs is None:
             raise ValueError("generate() needs input_ids: the session has no output to continue")
-        result = super().generate(inputs, *args, session=session, **kwargs)
+        if kwargs.get("assistant_model") is not None or kwargs.get("prompt_lookup_num_tokens"):
+            result = self._speculative_generate(session, inputs, args, kwargs)
+        else:
+            result = super().generate(inputs, *args, session=session, **kwargs)
         sequences = result if isinstance(result, torch.Tensor) else result.sequences  # a tensor or a ModelOutput
         session.output_ids, session.output_mask = sequences, None
         mask = kwargs.get("attention_mask")
@@ -152,6 +158,47 @@ class RemoteGenerationMixin(_ModelBase):
             else:
                 result.sequences = sequences[:, skipped:]
         return result
+
+    def _speculative_generate(
+        self, session: InferenceSession, inputs: torch.Tensor, args: tuple, kwargs: dict[str, Any]
+    ) -> torch.Tensor:
+        """Greedy generate() with proposals checked several at a time (client/speculative.py): the draft model of
+        `assistant_model` (num_assistant_tokens a round, default 5), or else prompt lookup of
+        prompt_lookup_num_tokens tokens. The output is that of plain greedy decoding."""
+        options = dict(kwargs)
+        draft = options.pop("assistant_model", None)
+        lookup = options.pop("prompt_lookup_num_tokens", None)
+        lookahead = options.pop("num_assistant_tokens", None) or (lookup if draft is None else DEFAULT_DRAFT_TOKENS)
+        streamer = options.pop("streamer", None)
+        max_new, max_length = options.pop("max_new_tokens", None), options.pop("max_length", None)
+        eos = options.pop("eos_token_id", None)
+        mask = options.pop("attention_mask", None)
+        options.pop("use_cache", None)
+        options.pop("pad_token_id", None)
+        if options.pop("do_sample", False) or options.pop("num_beams", 1) != 1:
+            raise ValueError("speculative decoding (assistant_model / prompt_lookup_num_tokens) is greedy only: "
+                             "leave do_sample and num_beams at their defaults")  # fmt: skip
+        if args or options:
+            raise ValueError(
+                f"speculative decoding does not take {sorted(options) or 'positional options'}; it takes "
+                "max_new_tokens, max_length, eos_token_id, pad_token_id, attention_mask (all ones), streamer, "
+                "num_assistant_tokens"
+            )
+        if mask is not None and not bool(mask.all()):
+            raise ValueError("speculative decoding runs one unpadded sequence: the attention mask must be all ones")
+        config = self.generation_config
+        if max_new is None:
+            max_new = config.max_new_tokens
+        if max_new is None:
+            max_new = (max_length or config.max_length or 0) - inputs.shape[1]
+        eos = config.eos_token_id if eos is None else eos
+        eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        proposer: Proposer = PromptLookup() if draft is None else DraftModel(draft)
+
+        def forward(session: InferenceSession, input_ids: torch.Tensor) -> torch.Tensor:
+            return cast(torch.Tensor, self._session_forward(session, input_ids, None, None).logits)
+
+        return speculative_generate(forward, session, inputs, proposer, lookahead, max_new, eos_ids, streamer)
 
     def _session_forward(
         self,

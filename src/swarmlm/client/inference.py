@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import secrets
 from dataclasses import replace
 
 import torch
@@ -10,10 +11,10 @@ import torch
 from swarmlm.client.chain import RetryBudget
 from swarmlm.client.loop import LoopThread
 from swarmlm.client.sequence_manager import SequenceManager
-from swarmlm.client.span_call import SpanStream
+from swarmlm.client.span_call import Expected, SpanStream
 from swarmlm.errors import BadRequestError, RemoteCallError, SessionClosedError
 from swarmlm.protocol.bundle import SpanTensors
-from swarmlm.protocol.messages import InferenceOpen, InferenceStep
+from swarmlm.protocol.messages import InferenceOpen, InferenceStep, PushHop
 from swarmlm.swarm.routing import RouteSpan
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ class _SpanSession:
     def __init__(self, manager: SequenceManager, span: RouteSpan, session_start: int):
         self.span, self.session_start = span, session_start
         self.stream = SpanStream(manager, span.peer_id, "rpc_inference")
+        self.session_id = secrets.token_hex(16)  # addresses steps other servers push to this server's session
         self.history: list[SpanTensors] = []  # committed steps as this span received them (session-wide prompts)
         self.tokens = 0  # tokens the server's cache holds (more than the session's position after a failed step)
         self.pending: SpanTensors | None = None  # a step this server ran that the session has not committed
@@ -61,25 +63,44 @@ class _SpanSession:
 
     async def open(self, batch_size: int, max_length: int) -> None:
         header = InferenceOpen(
-            start_block=self.span.start, end_block=self.span.end, batch_size=batch_size, max_length=max_length
+            start_block=self.span.start, end_block=self.span.end, batch_size=batch_size, max_length=max_length,
+            session_id=self.session_id,
         )
         await self.stream.exchange(header, [])
 
-    async def send(self, inputs: SpanTensors, start_from: int | None = None) -> torch.Tensor:
+    async def send(
+        self, inputs: SpanTensors, start_from: int | None = None, next_hops: list[PushHop] | None = None
+    ) -> torch.Tensor:
         """Run one step (inputs.prompts: the whole session's; this span gets its blocks' rows) and return its output
-        hidden states; start_from first cuts the server's cache back to that many tokens."""
+        hidden states; start_from first cuts the server's cache back to that many tokens; with next_hops the server
+        also pushes its output on to them (see server/push.py)."""
         sent = inputs
         if inputs.prompts is not None:
             offset = self.span.start - self.session_start
             sent = replace(inputs, prompts=inputs.prompts[offset : offset + self.span.end - self.span.start])
-        header = InferenceStep(tensors=sent.names(), start_from_position=start_from)
+        header = InferenceStep(tensors=sent.names(), start_from_position=start_from, next_hops=next_hops or [])
         outputs = await self.stream.exchange(header, sent.tensors())
         if len(outputs) != 1 or outputs[0].shape != inputs.hidden.shape:
             raise RemoteCallError(f"inference reply has shapes {[tuple(o.shape) for o in outputs]}", self.span.peer_id)
         return outputs[0]
 
+    async def receive(self, like: torch.Tensor) -> torch.Tensor:
+        """The output of a step another server pushed here (shaped like the step's hidden states)."""
+        (output,) = await self.stream.receive([Expected.like(like)])
+        return output
+
+    @property
+    def push_error(self) -> str | None:
+        """Why the last step was not pushed on (None: it was, or it had no next hop)."""
+        reply = self.stream.last_reply
+        return None if reply is None else reply.push_error
+
     async def close(self) -> None:
         await self.stream.close()
+
+
+class _PushFailed(Exception):  # noqa: N818 - a signal inside this module: the step goes the client-relayed way
+    """A server could not push a step on; its message says why."""
 
 
 class InferenceSession:
@@ -105,6 +126,7 @@ class InferenceSession:
         self.output_mask: torch.Tensor | None = None  # (batch, tokens) attention mask of output_ids
         self._position = 0
         self._spans: list[_SpanSession] = []
+        self._push = manager.config.use_push  # off for the rest of the session after a push fails
         self._active = active  # the owner's sessions open in `with` blocks (generate() uses the innermost)
 
     @property
@@ -202,8 +224,67 @@ class InferenceSession:
         self._position += seq
         return hidden
 
+    def _can_push(self, inputs: SpanTensors) -> bool:
+        spans = self._spans
+        return (
+            self._push
+            and len(spans) > 1
+            and inputs.hidden.shape[1] > 0
+            and inputs.hypo_ids is None
+            and inputs.prompts is None
+            and not any(s.broken or s.pending is not None for s in spans)
+            and all(a.span.end == b.span.start for a, b in zip(spans, spans[1:], strict=False))
+            and spans[0].span.start == self.start
+            and spans[-1].span.end == self.end
+        )
+
+    async def _run_pushed(self, inputs: SpanTensors, retry: RetryBudget) -> torch.Tensor:
+        """The step sent to the first server only, each server pushing its output to the next; the client reads
+        every server's output from its own stream (each span's input, kept for replays). On any failure the spans
+        that did not answer are closed (a step may still be travelling towards them) and _PushFailed is raised:
+        the caller repairs them and runs the step the client-relayed way."""
+        spans, position = self._spans, self._position
+        hops = [PushHop(peer_id=s.span.peer_id, session_id=s.session_id, start_from_position=position)
+                for s in spans[1:]]  # fmt: skip
+        hidden, index = inputs.hidden, 0
+        try:
+            for index, span_session in enumerate(spans):
+                sent = replace(inputs, hidden=hidden)
+                if index == 0:
+                    start_from = None if span_session.tokens == position else position
+                    out = await span_session.send(sent, start_from, next_hops=hops)
+                else:
+                    out = await span_session.receive(hidden)
+                span_session.pending, span_session.tokens = sent, position + hidden.shape[1]
+                hidden = out
+                if index < len(spans) - 1 and span_session.push_error:
+                    raise _PushFailed(f"server {span_session.span.peer_id[-6:]} could not push: "
+                                      f"{span_session.push_error}")  # fmt: skip
+        except BadRequestError:
+            raise  # that server refused the step and pushed nothing on; spans before it are cut back next step
+        except (RemoteCallError, _PushFailed) as e:
+            if isinstance(e, RemoteCallError):
+                retry.failed(spans[index].span, e)
+            await self._drop_after(index if spans[index].pending is None else index + 1)
+            raise _PushFailed(str(e)) from e
+        return hidden
+
+    async def _drop_after(self, index: int) -> None:
+        """Close the streams of spans[index:] (they are rebuilt by the next step's repair)."""
+        for span_session in self._spans[index:]:
+            if not span_session.broken:
+                span_session.broken = True
+                await span_session.close()
+
     async def _run_spans(self, inputs: SpanTensors, retry: RetryBudget) -> torch.Tensor:
         """The step through every span, re-opening failed ones; each span keeps what it ran as pending."""
+        if self._can_push(inputs):
+            try:
+                return await self._run_pushed(inputs, retry)
+            except _PushFailed as e:
+                logger.warning("Push failed (%s); this session's steps now go through the client", e)
+                self._push = False
+                await self._repair(retry)
         hidden, index, covered = inputs.hidden, 0, self.start
         while index < len(self._spans):
             span_session = self._spans[index]

@@ -170,6 +170,7 @@ class SpanStream:
         self._blocks = 0  # blocks of the session, known from its opening message
         self._queue: asyncio.Queue[runtime_pb2.ExpertRequest | None] = asyncio.Queue()
         self._replies: AsyncGenerator[runtime_pb2.ExpertResponse, None] | None = None
+        self.last_reply: ReplyHeader | None = None  # the header of the last reply read
 
     async def _requests(self) -> AsyncIterator[runtime_pb2.ExpertRequest]:
         while (part := await self._queue.get()) is not None:
@@ -195,9 +196,22 @@ class SpanStream:
                 for part in encode(header, tensors, runtime_pb2.ExpertRequest):
                     self._queue.put_nowait(part)
                 message = await read_message(self._replies, ReplyHeader, max_bytes=reply_bytes(expected))
-        _, outputs = _checked(self.manager, message, self.method, self.peer_id, time.perf_counter() - began)
+        self.last_reply, outputs = _checked(self.manager, message, self.method, self.peer_id,
+                                            time.perf_counter() - began)  # fmt: skip
         check_outputs(outputs, expected, self.method, self.peer_id)
         self.manager.record_success(self.peer_id, time.perf_counter() - began, call_work(self._blocks, tensors))
+        return outputs
+
+    async def receive(self, expected: Sequence[Expected]) -> list[torch.Tensor]:
+        """Read one more reply without sending (the answer to a step another server pushed to this session)."""
+        timeout_s = self.manager.config.request_timeout_s
+        with remote_errors(self.method, self.peer_id, timeout_s):
+            async with asyncio.timeout(timeout_s):
+                if self._replies is None:
+                    raise ProtocolError("the stream is not open")
+                message = await read_message(self._replies, ReplyHeader, max_bytes=reply_bytes(expected))
+        self.last_reply, outputs = check_reply(message, self.method, self.peer_id)
+        check_outputs(outputs, expected, self.method, self.peer_id)
         return outputs
 
     async def close(self) -> None:

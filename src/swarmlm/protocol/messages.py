@@ -10,7 +10,7 @@ from swarmlm.errors import ProtocolError
 from swarmlm.protocol.bundle import TensorName, check_names
 
 # Bumped on any incompatible change of a header or of the tensors that follow it.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 
 class _Header(BaseModel):
@@ -70,6 +70,21 @@ class BackwardRequest(ForwardRequest):
     kind: Literal["backward"] = "backward"  # type: ignore[assignment]
 
 
+# a session's id: 128 random bits in hex, known only to its client and the servers of its route (it addresses pushes)
+SESSION_ID_PATTERN = r"^[0-9a-f]{32}$"
+# most servers a pushed step may still travel through
+MAX_HOPS = 64
+
+
+class PushHop(BaseModel):
+    """The next server of a pushed step: its peer id, the id of the session there, and the position its cache is
+    cut back to before the step (the client's view of that session)."""
+
+    peer_id: str = Field(min_length=1, max_length=128)
+    session_id: str = Field(pattern=SESSION_ID_PATTERN)
+    start_from_position: int = Field(ge=0)
+
+
 class InferenceOpen(_Header):
     """First message of an inference stream: reserve a KV cache for blocks [start_block, end_block).
 
@@ -81,6 +96,7 @@ class InferenceOpen(_Header):
     end_block: int = Field(ge=1)
     batch_size: int = Field(ge=1)
     max_length: int = Field(ge=1)  # tokens the session may hold, past and new together
+    session_id: str | None = Field(default=None, pattern=SESSION_ID_PATTERN)  # set: other servers may push steps
 
 
 class InferenceStep(_TensorsHeader):
@@ -91,12 +107,33 @@ class InferenceStep(_TensorsHeader):
     reordered to these before the step (beam search), and deep prompts (blocks, prefix or per-sample), added where
     the step's positions fall inside the prefix. With start_from_position, the session's cache is first cut back
     to that many tokens (speculative decoding, rewinding). The reply carries the output hidden states.
+
+    With next_hops, the server also pushes its output to the session of next_hops[0] (rpc_push, a PushStep with the
+    rest of the hops), so the step travels server to server; the reply says whether that push was accepted.
     """
 
     ALLOWED: ClassVar[tuple[str, ...]] = ("hidden", "attention_mask", "position_ids", "hypo_ids", "prompts")
 
     kind: Literal["step"] = "step"
     start_from_position: int | None = Field(default=None, ge=0)
+    next_hops: list[PushHop] = Field(default_factory=list, max_length=MAX_HOPS, strict=False)
+
+
+class PushStep(_TensorsHeader):
+    """A step of an open session sent by the previous server of its route rather than by its client (rpc_push).
+
+    Tensors: hidden (batch, seq, hidden), optionally attention_mask and position_ids, as in InferenceStep (no
+    reorders, no prompts: those steps always come from the client). The server runs it as a step of the session
+    `session_id`, answers it on the client's stream, and pushes on to next_hops. The reply to the pusher (no
+    tensors) says only whether the step was accepted.
+    """
+
+    ALLOWED: ClassVar[tuple[str, ...]] = ("hidden", "attention_mask", "position_ids")
+
+    kind: Literal["push"] = "push"
+    session_id: str = Field(pattern=SESSION_ID_PATTERN)
+    start_from_position: int = Field(ge=0)
+    next_hops: list[PushHop] = Field(default_factory=list, max_length=MAX_HOPS, strict=False)
 
 
 class ReplyHeader(_Header):
@@ -111,6 +148,7 @@ class ReplyHeader(_Header):
     error: str | None = None
     error_kind: Literal["bad_request", "server", "busy", "too_large"] | None = None
     compute_ms: float = 0.0
+    push_error: str | None = None  # a step with next_hops ran, but pushing it on failed (the client takes over)
 
 
 H = TypeVar("H", bound=_Header)
@@ -158,3 +196,4 @@ class ServerInfo(_Header):
     sessions_open: int  # inference sessions open now
     throughput: float  # forward tokens/s through one block, measured at start-up
     inference_throughput: float  # one-token decode steps/s through one block, measured at start-up
+    pushes_received: int = 0  # inference steps other servers pushed here (server-to-server push)

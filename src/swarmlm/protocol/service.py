@@ -13,8 +13,9 @@ from hivemind.proto import runtime_pb2
 
 class SpanService(ServicerBase):
     """rpc_forward and rpc_backward take one message (see protocol.codec) and stream back one reply; rpc_inference
-    takes InferenceOpen, then InferenceStep messages, answering each one, until the client ends the stream; rpc_info
-    takes an InfoRequest and answers with a ServerInfo."""
+    takes InferenceOpen, then InferenceStep messages, answering each one, until the client ends the stream; rpc_push
+    takes one PushStep from another server and acknowledges it; rpc_info takes an InfoRequest and answers with a
+    ServerInfo."""
 
     async def rpc_forward(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
@@ -34,6 +35,11 @@ class SpanService(ServicerBase):
         raise NotImplementedError("served by swarmlm.server.handler.SpanHandler")
         yield  # pragma: no cover
 
+    async def rpc_push(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        raise NotImplementedError("served by swarmlm.server.handler.SpanHandler")
+        yield  # pragma: no cover
 
     async def rpc_info(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext

@@ -13,7 +13,14 @@ from hivemind.proto import runtime_pb2
 
 from swarmlm.errors import ProtocolError
 from swarmlm.protocol.codec import drain, encode, read_only_message
-from swarmlm.protocol.messages import BackwardRequest, ForwardRequest, InfoRequest, ReplyHeader, ServerInfo
+from swarmlm.protocol.messages import (
+    BackwardRequest,
+    ForwardRequest,
+    InfoRequest,
+    PushStep,
+    ReplyHeader,
+    ServerInfo,
+)
 from swarmlm.server.backend import SpanBackend
 from swarmlm.server.inference import InferenceSessions
 from swarmlm.server.peers import refusal, short, where
@@ -50,6 +57,26 @@ class SpanHandler:
     async def rpc_inference(self, requests: Parts, context: P2PContext) -> Replies:
         async for part in self.inference.serve(requests, context.remote_id.to_base58()):
             yield part
+
+    async def rpc_push(self, requests: Parts, context: P2PContext) -> Replies:
+        """A step of an open session from the previous server of its route: queued, then acknowledged (its output
+        goes to the session's client and on to the next server, not back to the pusher)."""
+        refused = False
+        try:
+            message = await asyncio.wait_for(
+                read_only_message(requests, PushStep, max_bytes=self.max_request_bytes), self.request_timeout_s
+            )
+            if message is None:
+                raise ProtocolError("empty push stream")
+            reply = self.inference.accept_push(*message)
+        except ProtocolError as e:
+            logger.warning("push rejected peer=...%s: %s", str(context.remote_id)[-6:], short(str(e)))
+            reply, refused = refusal(e), True
+        for part in encode(reply, [], runtime_pb2.ExpertResponse):
+            yield part
+        if refused:
+            with contextlib.suppress(asyncio.TimeoutError, ProtocolError):
+                await asyncio.wait_for(drain(requests, self.max_request_bytes), self.request_timeout_s)
 
     async def rpc_info(self, requests: Parts, context: P2PContext) -> Replies:
         # the answer is public (the DHT record says most of it): whatever the request holds, it gets the answer,

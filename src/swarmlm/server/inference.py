@@ -6,14 +6,16 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 from hivemind.proto import runtime_pb2
 from transformers.cache_utils import DynamicCache
 
 from swarmlm.errors import ProtocolError
+from swarmlm.protocol.bundle import SpanTensors
 from swarmlm.protocol.codec import drain, encode, read_message
-from swarmlm.protocol.messages import InferenceOpen, InferenceStep, ReplyHeader
+from swarmlm.protocol.messages import InferenceOpen, InferenceStep, PushHop, PushStep, ReplyHeader
 from swarmlm.server.backend import SpanBackend
 from swarmlm.server.cache import CacheBudget, ServerBusyError
 from swarmlm.server.peers import LimitError, PeerLedger, refusal, short, where
@@ -24,6 +26,11 @@ logger = logging.getLogger(__name__)
 Replies = AsyncIterator[runtime_pb2.ExpertResponse]
 # longest wait for a client to finish sending after its stream was refused
 DRAIN_TIMEOUT_S = 30.0
+# pushed steps a session holds before it runs them (a pusher that sends more is told the server is busy)
+PUSH_QUEUE_STEPS = 2
+# sends a pushed step to the next server of a route: None when it was accepted, else why not
+Pusher = Callable[[PushHop, PushStep, list], Awaitable[str | None]]
+Message = tuple[InferenceStep, list]
 
 
 class InferenceSessions:
@@ -31,7 +38,7 @@ class InferenceSessions:
 
     def __init__(
         self, backend: SpanBackend, budget: CacheBudget, ledger: PeerLedger, *, alloc_timeout_s: float,
-        idle_timeout_s: float, chunk_tokens: int,
+        idle_timeout_s: float, chunk_tokens: int, pusher: Pusher | None = None,
     ):  # fmt: skip
         self.backend, self.budget, self.ledger = backend, budget, ledger
         self.alloc_timeout_s, self.idle_timeout_s = alloc_timeout_s, idle_timeout_s
@@ -40,6 +47,9 @@ class InferenceSessions:
         self.open_sessions = 0
         self.accepting = True  # False while the server drains: new sessions are refused as busy
         self._closing = asyncio.Event()  # set to close every open session (each is told "busy" and rebuilt elsewhere)
+        self.pusher = pusher
+        self._pushed: dict[str, asyncio.Queue[Message]] = {}  # steps pushed to open sessions, by session id
+        self.pushes_received = 0  # pushed steps accepted (stats: they show steps travelled server to server)
 
     def stop_accepting(self) -> None:
         self.accepting = False
@@ -66,14 +76,19 @@ class InferenceSessions:
         if session is None:
             return
         tokens = session.batch_size * session.max_length
+        inbox: asyncio.Queue[Message] | None = None
+        if session.session_id is not None:
+            inbox = self._pushed[session.session_id] = asyncio.Queue(PUSH_QUEUE_STEPS)
         self.open_sessions += 1
         logger.info("inference open blocks=%d:%d batch=%d max_length=%d peer=...%s", session.start_block,
                     session.end_block, session.batch_size, session.max_length, peer[-6:])  # fmt: skip
         try:
             yield _reply(ReplyHeader(ok=True))
-            async for part in self._steps(requests, session, peer[-6:]):
+            async for part in self._steps(requests, session, peer[-6:], inbox):
                 yield part
         finally:
+            if session.session_id is not None:
+                self._pushed.pop(session.session_id, None)
             self.open_sessions -= 1
             self.budget.release(tokens)
             self.ledger.add_cache(peer, -tokens)
@@ -89,6 +104,8 @@ class InferenceSessions:
         if not self.accepting:
             raise LimitError("server busy: it is leaving these blocks", "busy")
         check_open(session, self.backend.limits)
+        if session.session_id is not None and session.session_id in self._pushed:
+            raise ProtocolError("a session with this id is open already: ids are random, choose another")
         tokens = session.batch_size * session.max_length
         self.ledger.open_session(peer)
         try:
@@ -104,11 +121,50 @@ class InferenceSessions:
             raise
         return session
 
-    async def _steps(self, requests: AsyncIterator, session: InferenceOpen, peer: str) -> Replies:
+    def accept_push(self, header: PushStep, tensors: list) -> ReplyHeader:
+        """Queue a step pushed by the previous server of a session's route; it runs as a step of that session."""
+        inbox = self._pushed.get(header.session_id)
+        if inbox is None:
+            return ReplyHeader(ok=False, error="no open session has this id", error_kind="bad_request")
+        if inbox.full():
+            return ReplyHeader(ok=False, error="server busy: the session has steps waiting", error_kind="busy")
+        step = InferenceStep(tensors=header.tensors, start_from_position=header.start_from_position,
+                             next_hops=header.next_hops)  # fmt: skip
+        inbox.put_nowait((step, tensors))
+        self.pushes_received += 1
+        return ReplyHeader(ok=True)
+
+    async def _push_on(self, header: InferenceStep, inputs: SpanTensors, outputs: list) -> str | None:
+        """Send a step's output to the next server of its route; None when it took it, else why not."""
+        if self.pusher is None:
+            return "this server does not push"
+        if inputs.hypo_ids is not None or inputs.prompts is not None:
+            return "steps that reorder caches or carry prompts are not pushed"
+        hop, rest = header.next_hops[0], header.next_hops[1:]
+        pushed = SpanTensors(outputs[0], attention_mask=inputs.attention_mask, position_ids=inputs.position_ids)
+        message = PushStep(tensors=pushed.names(), session_id=hop.session_id,
+                           start_from_position=hop.start_from_position, next_hops=rest)  # fmt: skip
+        return await self.pusher(hop, message, pushed.tensors())
+
+    async def _steps(
+        self, requests: AsyncIterator, session: InferenceOpen, peer: str, inbox: asyncio.Queue[Message] | None
+    ) -> Replies:
         cache = DynamicCache()
+        reader = _Reader(requests, self.max_message_bytes)
+        try:
+            async for part in self._run_steps(reader, session, peer, inbox, cache):
+                yield part
+        finally:
+            await reader.cancel()
+
+    async def _run_steps(
+        self, reader: _Reader, session: InferenceOpen, peer: str, inbox: asyncio.Queue[Message] | None,
+        cache: DynamicCache,
+    ) -> Replies:  # fmt: skip
+        requests = reader.requests
         while True:
             try:
-                message = await self._next_step(requests)
+                message = await self._next_step(reader, inbox)
             except _Closing:
                 logger.info("inference session closed by the server (leaving its blocks) peer=...%s", peer)
                 yield _reply(ReplyHeader(ok=False, error="server busy: it left these blocks", error_kind="busy"))
@@ -147,38 +203,70 @@ class InferenceSessions:
                 if not intact:
                     return
                 continue
-            logger.info("inference step blocks=%d:%d tokens=%d past=%d peer=...%s %.1f ms",
+            push_error = await self._push_on(header, inputs, outputs) if header.next_hops else None
+            logger.info("inference step blocks=%d:%d tokens=%d past=%d peer=...%s %.1f ms%s",
                         session.start_block, session.end_block, inputs.hidden.shape[0] * inputs.hidden.shape[1],
-                        past, peer, (time.perf_counter() - began) * 1000)  # fmt: skip
-            for part in encode(ReplyHeader(ok=True, compute_ms=compute_ms), outputs, runtime_pb2.ExpertResponse):
+                        past, peer, (time.perf_counter() - began) * 1000,
+                        f" push failed: {push_error}" if push_error else "")  # fmt: skip
+            reply = ReplyHeader(ok=True, compute_ms=compute_ms, push_error=push_error)
+            for part in encode(reply, outputs, runtime_pb2.ExpertResponse):
                 yield part
 
-    async def _next_step(self, requests: AsyncIterator) -> tuple[InferenceStep, list] | None:
-        """The next step (None: the client ended the stream); raises _Closing when close_all() comes first."""
+    async def _next_step(self, reader: _Reader, inbox: asyncio.Queue[Message] | None) -> Message | None:
+        """The next step, from the client or pushed by the previous server (None: the client ended the stream);
+        raises _Closing when close_all() comes first, TimeoutError after idle_timeout_s without a step."""
         closing = self._closing
         if closing.is_set():
             raise _Closing
-        read = asyncio.ensure_future(
-            asyncio.wait_for(read_message(requests, InferenceStep, max_bytes=self.max_message_bytes),
-                             self.idle_timeout_s)
-        )  # fmt: skip
+        read = reader.next()
         closed = asyncio.ensure_future(closing.wait())
+        pushed = asyncio.ensure_future(inbox.get()) if inbox is not None else None
+        waiting: set[asyncio.Future[Any]] = {read, closed} if pushed is None else {read, closed, pushed}
         try:
-            await asyncio.wait({read, closed}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(waiting, timeout=self.idle_timeout_s, return_when=asyncio.FIRST_COMPLETED)
         finally:
             closed.cancel()
-            if not read.done():
-                read.cancel()
-                with contextlib.suppress(asyncio.CancelledError, TimeoutError, ProtocolError):
-                    await read
-        if read.cancelled():
+            if pushed is not None and not pushed.done():
+                pushed.cancel()
+        if pushed is not None and pushed in done:
+            return pushed.result()  # a read that finished too stays for the next call
+        if read in done:
+            return reader.take()
+        if closed in done:
             raise _Closing
-        return read.result()
+        raise TimeoutError
 
     async def _drain(self, requests: AsyncIterator) -> None:
         """Read what the client still sends after an error reply, so that its writes do not break the reply."""
         with contextlib.suppress(TimeoutError, ProtocolError):
             await asyncio.wait_for(drain(requests, self.max_message_bytes), min(self.idle_timeout_s, DRAIN_TIMEOUT_S))
+
+
+class _Reader:
+    """Reads a session's steps from its client's stream; a read interrupted by a pushed step goes on, to be taken
+    by a later call (a message half read must never be dropped)."""
+
+    def __init__(self, requests: AsyncIterator, max_bytes: int):
+        self.requests, self.max_bytes = requests, max_bytes
+        self._read: asyncio.Future[Message | None] | None = None
+
+    def next(self) -> asyncio.Future[Message | None]:
+        if self._read is None:
+            self._read = asyncio.ensure_future(read_message(self.requests, InferenceStep, max_bytes=self.max_bytes))
+        return self._read
+
+    def take(self) -> Message | None:
+        read, self._read = self._read, None
+        if read is None:
+            raise RuntimeError("no read to take")
+        return read.result()
+
+    async def cancel(self) -> None:
+        read, self._read = self._read, None
+        if read is not None and not read.done():
+            read.cancel()
+            with contextlib.suppress(asyncio.CancelledError, TimeoutError, ProtocolError):
+                await read
 
 
 class _Closing(Exception):  # noqa: N818 - a signal between two methods, never raised out of this module

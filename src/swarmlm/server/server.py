@@ -30,6 +30,7 @@ from swarmlm.server.handler import SpanHandler
 from swarmlm.server.inference import InferenceSessions
 from swarmlm.server.peers import PeerLedger, PeerLimits
 from swarmlm.server.placement import Span, claimed_first, estimate_throughput, requested_span, should_move
+from swarmlm.server.push import Pusher
 from swarmlm.server.transport import StreamLimits
 from swarmlm.server.validation import max_message_bytes
 from swarmlm.swarm.dht import start_dht, visible_maddrs
@@ -149,6 +150,7 @@ class Server:
             sessions_open=0 if self.inference is None else self.inference.open_sessions,
             throughput=self.throughput,
             inference_throughput=self.inference_throughput,
+            pushes_received=0 if self.inference is None else self.inference.pushes_received,
         )
 
     async def _serve(self) -> None:
@@ -208,6 +210,7 @@ class Server:
             alloc_timeout_s=cfg.alloc_timeout_s,
             idle_timeout_s=cfg.session_idle_timeout_s,
             chunk_tokens=cfg.inference_chunk_tokens,
+            pusher=Pusher(p2p, self._read_swarm, cfg.request_timeout_s),
         )
         self.handler = SpanHandler(self.backend, self.inference, cfg.request_timeout_s, self.describe)
         limits = StreamLimits(int(cfg.max_frame_mb * 1e6), cfg.request_timeout_s, cfg.write_timeout_s)

@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 FRAME_OVERHEAD_BYTES = 4096
 # frames read ahead of the handler, as in hivemind (its default max_prefetch)
 PREFETCH_FRAMES = 5
-METHODS = ("rpc_forward", "rpc_backward", "rpc_inference", "rpc_info")
+METHODS = ("rpc_forward", "rpc_backward", "rpc_inference", "rpc_push", "rpc_info")
 # ExpertRequest's field number of its repeated tensors (hivemind/proto/runtime.proto)
 TENSORS_FIELD = 2
 # our parts have 1-3 top-level fields; a frame of thousands of tiny fields is refused without parsing it
