@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
 
+from swarmlm.client import trace
 from swarmlm.client.chain import RetryBudget
 from swarmlm.client.loop import LoopThread
 from swarmlm.client.sequence_manager import SequenceManager
 from swarmlm.client.span_call import SpanStream
-from swarmlm.errors import BadRequestError, RemoteCallError, SessionClosedError
+from swarmlm.client.verify import Opinion, settle
+from swarmlm.errors import BadRequestError, MissingBlocksError, RemoteCallError, SessionClosedError
 from swarmlm.protocol.bundle import SpanTensors
 from swarmlm.protocol.messages import InferenceOpen, InferenceStep
 from swarmlm.swarm.routing import RouteSpan
@@ -94,7 +97,7 @@ class InferenceSession:
 
     def __init__(
         self, manager: SequenceManager, loop: LoopThread, start: int, end: int, max_length: int,
-        active: list[InferenceSession] | None = None,
+        active: list[InferenceSession] | None = None, on_trace: Callable[[trace.RequestTrace], None] | None = None,
     ):  # fmt: skip
         self.manager, self.loop, self.start, self.end, self.max_length = manager, loop, start, end, max_length
         self.batch_size: int | None = None  # known once the route is open
@@ -106,6 +109,8 @@ class InferenceSession:
         self._position = 0
         self._spans: list[_SpanSession] = []
         self._active = active  # the owner's sessions open in `with` blocks (generate() uses the innermost)
+        self.last_trace: trace.RequestTrace | None = None  # of the last step
+        self._on_trace = on_trace  # also told of each step's trace (the model's last_trace)
 
     @property
     def position(self) -> int:
@@ -151,7 +156,12 @@ class InferenceSession:
             hidden.detach().cpu(), attention_mask=attention_mask, position_ids=position_ids, hypo_ids=hypo_ids,
             prompts=None if prompts is None else prompts.detach().cpu(),
         )  # fmt: skip
-        return self.loop.run(self.astep(inputs)).to(hidden.device)
+        return self.loop.run(trace.traced("inference", self.astep(inputs), self._keep_trace)).to(hidden.device)
+
+    def _keep_trace(self, finished: trace.RequestTrace) -> None:
+        self.last_trace = finished
+        if self._on_trace is not None:
+            self._on_trace(finished)
 
     def _check_open(self) -> None:
         if self.closed:
@@ -217,15 +227,72 @@ class InferenceSession:
                 span_session.broken = True
                 await span_session.close()
                 retry.failed(span_session.span, e)
+                trace.record_replay()
                 self._spans[index : index + 1] = await self._rebuild(span_session, retry)
                 continue
             span_session.pending, span_session.tokens = sent, self._position + hidden.shape[1]
             if span_session.span.start != covered:
                 raise RuntimeError(f"inference route skipped blocks {covered}:{span_session.span.start}")
-            hidden, index, covered = out, index + 1, span_session.span.end
+            checked = await self._check(span_session, sent, out)
+            if checked is not None:  # the span's result lost a spot check: the checking sessions take its place
+                out, winners = checked
+                self._spans[index : index + 1] = winners
+                index += len(winners) - 1
+            hidden, index, covered = out, index + 1, self._spans[index].span.end
         if covered != self.end:  # never return hidden states that missed a block
             raise RuntimeError(f"inference step ran blocks {self.start}:{covered} of {self.start}:{self.end}")
         return hidden
+
+    async def _check(
+        self, checked: _SpanSession, sent: SpanTensors, out: torch.Tensor
+    ) -> tuple[torch.Tensor, list[_SpanSession]] | None:
+        """Spot-check a span's step when the Verifier asks for it: independent servers replay the span's history (as
+        failover does) and run the step. None keeps the span; else the winning output and sessions (which then
+        hold the history and the step as pending, like the span they replace)."""
+        manager, span = self.manager, checked.span
+        first = Opinion((span.peer_id,), (manager.dtype_of(span.peer_id),), out)
+        reason = manager.verifier.reason_to_check(first.peers, span.end, out)
+        if reason is None or self.batch_size is None:
+            return None
+        replicas: dict[tuple[str, ...], list[_SpanSession]] = {}
+
+        async def rerun(avoid: set[str]) -> Opinion | None:
+            if not manager.can_route(span.start, span.end, self.batch_size or 1, avoid):
+                return None
+            retry = RetryBudget(manager, spread=False)  # few servers: each one used here cannot settle a disagreement
+            retry.avoid |= avoid
+            chain: list[_SpanSession] = []
+            try:
+                with trace.purpose("check"):
+                    chain = await self._rebuild(checked, retry)
+                    hidden = sent.hidden
+                    for span_session in chain:
+                        step = replace(sent, hidden=hidden)
+                        hidden = await span_session.send(step)
+                        span_session.pending, span_session.tokens = step, span_session.tokens + hidden.shape[1]
+            except (RemoteCallError, MissingBlocksError) as e:
+                await _close_all(chain)
+                logger.info("A check of blocks %d:%d found no working independent route: %s", span.start, span.end, e)
+                return None
+            peers = tuple(s.span.peer_id for s in chain)
+            replicas[peers] = chain
+            return Opinion(peers, tuple(manager.dtype_of(peer) for peer in peers), hidden)
+
+        def convict(peers: tuple[str, ...], why: str) -> None:
+            manager.convict(peers, why, span.start, span.end)
+
+        winner = first
+        try:
+            winner = await settle(manager.verifier, first, rerun, convict, span.start, span.end, reason)
+        finally:
+            for peers, chain in replicas.items():
+                if peers != winner.peers:
+                    await _close_all(chain)
+        if winner is first:
+            return None
+        checked.broken = True
+        await checked.close()
+        return winner.output, replicas[winner.peers]
 
     async def _repair(self, retry: RetryBudget) -> None:
         """Bring every span to the session's position after a failed step: a span that ran it without reordering
@@ -241,6 +308,7 @@ class InferenceSession:
                 span_session.broken = True
                 await span_session.close()
             try:
+                trace.record_replay()
                 repaired.extend(await self._rebuild(span_session, retry))
             except BaseException:
                 self._spans = repaired + self._spans[index:]  # this one stays broken: the next step retries
