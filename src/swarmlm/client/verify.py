@@ -167,8 +167,9 @@ async def settle(
 
 def _record(start: int, end: int, first: Opinion, reason: str, outcome: str, checkers: tuple[str, ...] = ()) -> None:
     trace.record_check(trace.CheckTrace(start, end, first.peers, reason, outcome, checkers))
-    if outcome != "agreed":
-        logger.info("Check of blocks %d:%d from %s (%s): %s", start, end, _short(first.peers), reason, outcome)
+    # "unchecked" is the normal state of a swarm without replicas: not worth a line per request
+    level = logging.DEBUG if outcome in ("agreed", "unchecked") else logging.WARNING
+    logger.log(level, "Check of blocks %d:%d from %s (%s): %s", start, end, _short(first.peers), reason, outcome)
 
 
 def _short(peers: tuple[str, ...]) -> str:
