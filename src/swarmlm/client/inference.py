@@ -50,6 +50,34 @@ def cut_history(history: list[SpanTensors], tokens: int) -> list[SpanTensors]:
     return kept
 
 
+def merge_history(history: list[SpanTensors], max_tokens: int) -> list[SpanTensors]:
+    """The same history in fewer steps, for a replay: consecutive steps are joined into one (hidden states and
+    positions concatenated, the later step's mask covering both) unless the later one reorders the cache (hypo_ids)
+    or either is empty, they differ in what they carry, or the joined step would exceed max_tokens tokens."""
+    merged: list[SpanTensors] = []
+    for step in history:
+        last = merged[-1] if merged else None
+        if last is None or not _joinable(last, step, max_tokens):
+            merged.append(step)
+            continue
+        positions = None
+        if last.position_ids is not None and step.position_ids is not None:
+            positions = torch.cat([last.position_ids, step.position_ids], dim=1)
+        hidden = torch.cat([last.hidden, step.hidden], dim=1)
+        merged[-1] = replace(last, hidden=hidden, attention_mask=step.attention_mask, position_ids=positions)
+    return merged
+
+
+def _joinable(first: SpanTensors, then: SpanTensors, max_tokens: int) -> bool:
+    batch, seq = first.hidden.shape[0], first.hidden.shape[1] + then.hidden.shape[1]
+    return (
+        then.hypo_ids is None and first.hidden.shape[1] > 0 and then.hidden.shape[1] > 0 and batch * seq <= max_tokens
+        and first.prompts is then.prompts
+        and (first.attention_mask is None) == (then.attention_mask is None)
+        and (first.position_ids is None) == (then.position_ids is None)
+    )  # fmt: skip
+
+
 class _SpanSession:
     """One server's part of a session: its stream, the steps its cache holds (to rebuild it elsewhere), and what
     the server holds beyond them after a failed or rolled-back step."""
@@ -343,7 +371,8 @@ class InferenceSession:
         while True:
             replacement = await self._open_chain(lost.span.start, lost.span.end, self.batch_size, retry)
             try:
-                for step in lost.history:
+                # one step per run of steps: a replay costs a few round trips, not one per token generated
+                for step in merge_history(lost.history, self.manager.request_limit(lost.span.start, lost.span.end)):
                     hidden = step.hidden
                     for span_session in replacement:
                         sent = replace(step, hidden=hidden)
