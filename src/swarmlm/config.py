@@ -37,6 +37,7 @@ class ServerConfig:
     rebalance_interval_s: float = 60.0  # how often a num_blocks server checks whether to move (0: never)
     balance_quality: float = 0.75  # move when the swarm's bottleneck < quality * its bottleneck after the move
     max_frame_mb: float = 4.0  # largest frame (protobuf part) a peer may send, in MB (ours carry <= 1 MiB of tensors)
+    swarm_key: bytes | None = None  # secret of a private swarm (swarm/private.py); None: an open swarm
 
 
 @dataclass(frozen=True)
@@ -58,3 +59,7 @@ class ClientConfig:
     route_stickiness: float = 0.2  # the servers used last keep their blocks until another is this fraction cheaper
     sticky_route_s: float = 60.0  # how long the servers used last stay preferred after their last use
     use_push: bool = True  # inference steps travel server to server (each pushes to the next), not via the client
+    verify_probability: float = 0.05  # chance that a span's result is re-run on independent servers and compared
+    verify_first_requests: int = 2  # results of a server are always checked until it passed this many checks
+    report_ttl_s: float = 3600.0  # how long this client's reports of wrong results stay on the DHT
+    swarm_key: bytes | None = None  # secret of a private swarm (swarm/private.py); None: an open swarm

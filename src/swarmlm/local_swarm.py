@@ -17,6 +17,7 @@ from pathlib import Path
 
 from swarmlm.errors import SwarmError
 from swarmlm.swarm.dht import ParentBoundDHT, start_dht, visible_maddrs
+from swarmlm.swarm.private import load_swarm_key
 from swarmlm.utils.processes import spawn_bound
 
 logger = logging.getLogger(__name__)
@@ -64,11 +65,14 @@ class LocalSwarm:
         dht_prefix: str | None = None,
         threads_per_server: int | None = None,
         extra_args: Sequence[str] = (),
+        swarm_key_file: str | None = None,
     ):
         self.model, self.cache_dir, self.dht_prefix = model, cache_dir, dht_prefix
+        self.swarm_key_file = swarm_key_file  # a private swarm: the bootstrap node and every server use this key
         self.threads_per_server, self.extra_args = threads_per_server, list(extra_args)
         self.log_dir = Path(tempfile.mkdtemp(prefix="swarmlm-logs-"))
-        self.dht: ParentBoundDHT = start_dht(host="127.0.0.1")
+        key = None if swarm_key_file is None else load_swarm_key(swarm_key_file)
+        self.dht: ParentBoundDHT = start_dht(host="127.0.0.1", swarm_key=key)
         self.initial_peers = visible_maddrs(self.dht)
         self.servers: list[LocalServer] = []
 
@@ -96,6 +100,8 @@ class LocalSwarm:
             args += ["--cache-dir", str(self.cache_dir)]
         if self.dht_prefix:
             args += ["--dht-prefix", self.dht_prefix]
+        if self.swarm_key_file:
+            args += ["--swarm-key", self.swarm_key_file]
         if self.threads_per_server:
             args += ["--num-threads", str(self.threads_per_server)]
         log_path = self.log_dir / f"server-{len(self.servers)}-{'-'.join(span[1:]).replace(':', '-')}.log"

@@ -11,6 +11,10 @@ forward or backward request it reads its behaviour from MODE_FILE, so one proces
   bad_request, server, busy, too_large   an error reply of that kind
   hang_2rows   requests of 2 rows hang (and log when the client gives up on them); others fail as "server"
   too_large_rows   requests of more than one row are "too_large"; one row is served honestly
+  perturb      computes honestly, then scales its forward and inference outputs by 1 + PERTURBATION: well formed,
+               finite, plausible and wrong
+  perturb_sometimes   perturbs a forward reply with probability 1/2 (inference steps stay honest)
+  perturb_sessions    perturbs inference steps only (forward and backward stay honest)
 
 It announces a tempting throughput so that a fresh client routes through it first. No production code has these
 behaviours: they live in this file only.
@@ -19,6 +23,7 @@ behaviours: they live in this file only.
 from __future__ import annotations
 
 import asyncio
+import random
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -42,13 +47,17 @@ TEMPTING_THROUGHPUT = 1e9
 CANCELLED_LINE = "HOSTILE request cancelled by the client"
 SERVED_LINE = "HOSTILE served honestly"
 
+# relative change of a perturbed output: far above the float32 tolerance of spot checks, small enough to look sane
+PERTURBATION = 0.02
+PERTURBED_LINE = "HOSTILE perturbed"
+
 MODE_FILE = Path(sys.argv[1])
 
 
 class HostileHandler(SpanHandler):
     async def _serve(self, requests: Parts, context: object, header_type: type[ForwardRequest]) -> Replies:
         mode = MODE_FILE.read_text().strip()
-        if mode == "honest":
+        if mode == "honest" or mode.startswith("perturb"):  # perturbing happens in the backend, after computing
             async for part in super()._serve(requests, context, header_type):
                 yield part
             print(SERVED_LINE, flush=True)
@@ -112,8 +121,35 @@ async def _huge_reply() -> AsyncIterator[runtime_pb2.ExpertResponse]:
         yield runtime_pb2.ExpertResponse(tensors=[runtime_pb2.Tensor(buffer=buffer)])
 
 
+def _perturbed(outputs: list[torch.Tensor], kind: str) -> list[torch.Tensor]:
+    mode = MODE_FILE.read_text().strip()
+    if (
+        (mode == "perturb" and kind in ("forward", "step"))
+        or (mode == "perturb_sometimes" and kind == "forward" and random.random() < 0.5)
+        or (mode == "perturb_sessions" and kind == "step")
+    ):
+        print(PERTURBED_LINE, flush=True)
+        return [outputs[0] * (1 + PERTURBATION), *outputs[1:]]
+    return outputs
+
+
+def _perturbing_backend() -> None:
+    honest_run, honest_step = backend_module.SpanBackend.run, backend_module.SpanBackend.step
+
+    async def run(self, start, end, inputs, peer=""):  # noqa: ANN001, ANN202 - the patched method's signature
+        outputs, compute_ms = await honest_run(self, start, end, inputs, peer)
+        return _perturbed(outputs, "forward" if inputs.grad_outputs is None else "backward"), compute_ms
+
+    async def step(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        outputs, compute_ms = await honest_step(self, *args, **kwargs)
+        return _perturbed(outputs, "step"), compute_ms
+
+    backend_module.SpanBackend.run, backend_module.SpanBackend.step = run, step
+
+
 def main() -> int:
     server_module.SpanHandler = HostileHandler  # the Server builds this handler
+    _perturbing_backend()
     backend_module.SpanBackend.measure_throughput = lambda self, *args, **kwargs: TEMPTING_THROUGHPUT
     return cli.main(sys.argv[2:])
 

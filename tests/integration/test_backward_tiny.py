@@ -41,6 +41,10 @@ def local_deep_ptune_logits(reference: torch.nn.Module, embeds: torch.Tensor, tu
             handle.remove()
 
 
+# spot checks off: the test needs to know which one replica a forward used
+CHECKS_OFF = dict(verify_probability=0.0, verify_first_requests=0)
+
+
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir: Path) -> torch.nn.Module:
     return load_reference(tiny_model_dir).requires_grad_(False)
@@ -142,7 +146,7 @@ def test_generation_with_deep_prompts_equals_local_greedy_decoding(reference, tu
 def test_sigkill_between_forward_and_backward_keeps_gradients_exact(reference, tuned, replicated_swarm) -> None:
     ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(5))
     weights = torch.randn(2, 7, 128, generator=torch.Generator().manual_seed(6))
-    model = tuned(replicated_swarm)
+    model = tuned(replicated_swarm, **CHECKS_OFF)  # a spot check would call the other replica too
     embeds = reference.model.embed_tokens(ids).detach().requires_grad_()
     logits = model(inputs_embeds=embeds).logits
     manager = model.model.layers.client.manager

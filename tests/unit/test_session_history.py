@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from swarmlm.client.inference import cut_history
+from swarmlm.client.inference import cut_history, merge_history
 from swarmlm.protocol.bundle import SpanTensors
 
 
@@ -41,3 +41,15 @@ def test_a_cut_inside_a_step_keeps_its_head_with_mask_and_positions() -> None:
 def test_a_cut_to_nothing_or_everything() -> None:
     assert cut_history(HISTORY, 0) == []
     assert cut_history(HISTORY, 9) == HISTORY
+
+
+def test_a_replay_joins_steps_between_reorders() -> None:
+    history = [step(0, 4), step(4, 1), step(5, 1), step(6, 1, [1, 0]), step(7, 2), SpanTensors(torch.zeros(2, 0, 1))]
+    merged = merge_history(history, max_tokens=1024)
+    assert [s.hidden.shape[1] for s in merged] == [6, 3, 0]
+    assert merged[0].hidden[0, :, 0].tolist() == [0, 1, 2, 3, 4, 5]
+    assert merged[0].position_ids.tolist() == [list(range(6))] * 2 and merged[0].attention_mask.shape == (2, 6)
+    assert merged[1].hypo_ids.tolist() == [1, 0] and merged[1].position_ids.tolist() == [[6, 7, 8]] * 2
+    # at most 10 tokens (5 per row of 2): a joined step stops before it would exceed them
+    assert [s.hidden.shape[1] for s in merge_history(history, max_tokens=10)] == [5, 1, 3, 0]
+    assert merge_history([], 10) == []

@@ -25,6 +25,9 @@ def _add_network_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR", help="multiaddrs of swarm peers")
     parser.add_argument("--host", default="0.0.0.0", help="interface to listen on (default: all)")
     parser.add_argument("--port", type=int, default=0, help="TCP port to listen on (default: any free port)")
+    parser.add_argument(
+        "--swarm-key", default=None, metavar="FILE", help="join (or start) the private swarm of this key file"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -103,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     dht = sub.add_parser("dht", help="run a bootstrap-only DHT node that others join")
     _add_network_args(dht)
+    key = sub.add_parser("swarm-key", help="write a new random key for a private swarm")
+    key.add_argument("file", help="where to write it (must not exist)")
 
     demo = sub.add_parser("demo", help="start a local swarm and chat with the bundled model")
     demo.add_argument("--prompt", default="What is the capital of France?", help="what to ask")
@@ -175,14 +180,31 @@ def _serve(args: argparse.Namespace) -> None:
         balance_quality=args.balance_quality,
         announce_interval_s=args.announce_interval,
         record_ttl_s=args.record_ttl,
+        swarm_key=_swarm_key(args),
     )
     Server(config).run()
+
+
+def _swarm_key(args: argparse.Namespace) -> bytes | None:
+    from swarmlm.swarm.private import load_swarm_key
+
+    return None if args.swarm_key is None else load_swarm_key(args.swarm_key)
+
+
+def _new_swarm_key(args: argparse.Namespace) -> None:
+    from swarmlm.swarm.private import generate_swarm_key
+
+    try:
+        generate_swarm_key(args.file)
+    except OSError as e:
+        raise SwarmError(f"cannot write a swarm key to {args.file}: {e}") from e
+    print(f"Wrote a new swarm key to {args.file}; give it (privately) to every server and client of the swarm")
 
 
 def _dht(args: argparse.Namespace) -> None:
     from swarmlm.swarm.bootstrap import run_bootstrap
 
-    run_bootstrap(tuple(args.initial_peers), args.host, args.port)
+    run_bootstrap(tuple(args.initial_peers), args.host, args.port, _swarm_key(args))
 
 
 def _demo(args: argparse.Namespace) -> None:
@@ -207,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.verbose:
         logging.getLogger("hivemind").setLevel(logging.WARNING)
     try:
-        {"serve": _serve, "dht": _dht, "demo": _demo, "train": _train}[args.command](args)
+        {"serve": _serve, "dht": _dht, "demo": _demo, "train": _train, "swarm-key": _new_swarm_key}[args.command](args)
     except SwarmError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

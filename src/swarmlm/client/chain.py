@@ -8,9 +8,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from swarmlm.client import trace
 from swarmlm.client.sequence_manager import SequenceManager
 from swarmlm.client.span_call import Expected, RerouteError, call_span
-from swarmlm.errors import BadRequestError, RemoteCallError
+from swarmlm.client.verify import Opinion, settle
+from swarmlm.errors import BadRequestError, MissingBlocksError, RemoteCallError
 from swarmlm.protocol.bundle import SpanTensors
 from swarmlm.protocol.messages import BackwardRequest, ForwardRequest
 from swarmlm.swarm.routing import RouteSpan
@@ -53,8 +55,8 @@ class RetryBudget:
       with exponential backoff and the request is re-routed.
     """
 
-    def __init__(self, manager: SequenceManager):
-        self.manager, self.failures = manager, 0
+    def __init__(self, manager: SequenceManager, spread: bool = True):
+        self.manager, self.failures, self.spread = manager, 0, spread  # spread: see SequenceManager.make_route
         self.avoid: set[str] = set()  # servers this request does not go to again
         self._refused_by: set[str] = set()  # servers that called this request bad
 
@@ -65,13 +67,14 @@ class RetryBudget:
         try:
             # make_route gives up after missing_blocks_timeout_s; this deadline also bounds its DHT reads
             async with asyncio.timeout(config.missing_blocks_timeout_s + config.request_timeout_s):
-                return await self.manager.make_route(start, end, tokens, self.avoid, session_tokens)
+                return await self.manager.make_route(start, end, tokens, self.avoid, session_tokens, self.spread)
         except TimeoutError as e:
             raise RemoteCallError(f"finding a route over blocks {start}:{end} timed out") from e
 
     def failed(self, span: RouteSpan, error: RemoteCallError, tokens: int = 1) -> None:
         """Account for a failed call of `span` and raise when the request cannot go on."""
         self.failures += 1
+        trace.record_retry()
         peer = span.peer_id
         if isinstance(error, BadRequestError):
             self._refused_by.add(peer)
@@ -113,10 +116,11 @@ async def run_forward_chain(
     end: int,
     args: ChainArgs,
     retry: RetryBudget | None = None,
+    verify: bool = True,
 ) -> tuple[torch.Tensor, list[Hop]]:
     """Hidden states after blocks [start, end) from `hidden` (args.inputs.hidden, or a hop's saved input when a
     backward recomputes a span, under the backward's retry budget), and the hops that produced them (with each
-    hop's inputs)."""
+    hop's inputs). With verify, hops are spot-checked as the client's Verifier decides (client/verify.py)."""
     retry, hops, position = retry or RetryBudget(manager), [], start
     tokens = hidden.shape[0] * hidden.shape[1]
     while position < end:
@@ -127,9 +131,48 @@ async def run_forward_chain(
             except RemoteCallError as e:
                 retry.failed(span, e, tokens)
                 break  # re-route from the failed block on
-            hops.append(Hop(span, hidden))
+            checked = await check_hop(manager, span, hidden, out, args) if verify else None
+            if checked is None:
+                hops.append(Hop(span, hidden))
+            else:  # the hop's result lost a spot check: go on with (and later backpropagate through) the winners
+                out, winners = checked
+                hops.extend(winners)
             hidden, position = out, span.end
     return hidden, hops
+
+
+async def check_hop(
+    manager: SequenceManager, span: RouteSpan, hidden: torch.Tensor, out: torch.Tensor, args: ChainArgs
+) -> tuple[torch.Tensor, list[Hop]] | None:
+    """Spot-check a forward hop when the Verifier asks for it: None keeps the hop's result, else the result that
+    won the check and the hops of the independent route that produced it (see verify.settle)."""
+    first = Opinion((span.peer_id,), (manager.dtype_of(span.peer_id),), out)
+    reason = manager.verifier.reason_to_check(first.peers, span.end, out)
+    if reason is None:
+        return None
+    tokens = hidden.shape[0] * hidden.shape[1]
+    routes: dict[tuple[str, ...], list[Hop]] = {}
+
+    async def rerun(avoid: set[str]) -> Opinion | None:
+        if not manager.can_route(span.start, span.end, tokens, avoid):
+            return None
+        retry = RetryBudget(manager, spread=False)  # few servers: each one used here cannot settle a disagreement
+        retry.avoid |= avoid
+        try:
+            with trace.purpose("check"):
+                result, hops = await run_forward_chain(manager, hidden, span.start, span.end, args, retry, False)
+        except (RemoteCallError, MissingBlocksError) as e:
+            logger.info("A check of blocks %d:%d found no working independent route: %s", span.start, span.end, e)
+            return None
+        peers = tuple(hop.span.peer_id for hop in hops)
+        routes[peers] = hops
+        return Opinion(peers, tuple(manager.dtype_of(peer) for peer in peers), result)
+
+    def convict(peers: tuple[str, ...], why: str) -> None:
+        manager.convict(peers, why, span.start, span.end)
+
+    winner = await settle(manager.verifier, first, rerun, convict, span.start, span.end, reason)
+    return None if winner is first else (winner.output, routes[winner.peers])
 
 
 async def run_backward_chain(
@@ -148,7 +191,9 @@ async def run_backward_chain(
             grads = await _call(manager, hop.span, hop.inputs, args, grad=grad)
         except RemoteCallError as e:
             retry.failed(hop.span, e, hop.inputs.shape[0] * hop.inputs.shape[1])
-            _, replacement = await run_forward_chain(manager, hop.inputs, hop.span.start, hop.span.end, args, retry)
+            _, replacement = await run_forward_chain(
+                manager, hop.inputs, hop.span.start, hop.span.end, args, retry, verify=False
+            )  # only its hops are used: their outputs are not checked
             pending.extend(replacement)
             continue
         grad = grads[0]

@@ -68,6 +68,7 @@ class Health:
         self._bans: dict[str, tuple[float, int]] = {}  # peer -> (banned until, consecutive failures)
         self._stats: dict[str, CallStats] = {}
         self._cool_downs: dict[str, float] = {}  # peer -> avoided until (busy: not a failure, never escalates)
+        self._distrusted: set[str] = set()  # caught returning wrong results: never used again by this client
 
     def ban(self, peer_id: str) -> float:
         """Ban a failed server; each further failure doubles the ban (up to ban_max_s). Returns its length in s."""
@@ -75,6 +76,13 @@ class Health:
         duration = min(self.ban_base_s * 2 ** (failures - 1), self.ban_max_s)
         self._bans[peer_id] = (time.monotonic() + duration, failures)
         return duration
+
+    def distrust(self, peer_id: str) -> None:
+        """Never route through this server again (it returned a wrong result); a success does not lift this."""
+        self._distrusted.add(peer_id)
+
+    def distrusted(self, peer_id: str) -> bool:
+        return peer_id in self._distrusted
 
     def cool_down(self, peer_id: str, seconds: float) -> None:
         """Avoid a busy server for `seconds`, without counting a failure against it."""
@@ -84,7 +92,7 @@ class Health:
         """Servers routes must avoid now: banned after failures, or cooling down after a busy reply."""
         now = time.monotonic()
         banned = {peer for peer, (until, _) in self._bans.items() if until > now}
-        return banned | {peer for peer, until in self._cool_downs.items() if until > now}
+        return banned | self._distrusted | {peer for peer, until in self._cool_downs.items() if until > now}
 
     def record_success(self, peer_id: str, seconds: float, work: float) -> None:
         """A call of `work` block-tokens to `peer_id` took `seconds` in total, as measured by this client."""

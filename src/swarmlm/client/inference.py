@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import logging
 import secrets
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
 
+from swarmlm.client import trace
 from swarmlm.client.chain import RetryBudget
 from swarmlm.client.loop import LoopThread
 from swarmlm.client.sequence_manager import SequenceManager
 from swarmlm.client.span_call import Expected, SpanStream
-from swarmlm.errors import BadRequestError, RemoteCallError, SessionClosedError
+from swarmlm.client.verify import Opinion, settle
+from swarmlm.errors import BadRequestError, MissingBlocksError, RemoteCallError, SessionClosedError
 from swarmlm.protocol.bundle import SpanTensors
 from swarmlm.protocol.messages import InferenceOpen, InferenceStep, PushHop
 from swarmlm.swarm.routing import RouteSpan
@@ -46,6 +49,34 @@ def cut_history(history: list[SpanTensors], tokens: int) -> list[SpanTensors]:
             kept.append(cut_step(step, begin, max(tokens - begin, 0)))
         begin += seq
     return kept
+
+
+def merge_history(history: list[SpanTensors], max_tokens: int) -> list[SpanTensors]:
+    """The same history in fewer steps, for a replay: consecutive steps are joined into one (hidden states and
+    positions concatenated, the later step's mask covering both) unless the later one reorders the cache (hypo_ids)
+    or either is empty, they differ in what they carry, or the joined step would exceed max_tokens tokens."""
+    merged: list[SpanTensors] = []
+    for step in history:
+        last = merged[-1] if merged else None
+        if last is None or not _joinable(last, step, max_tokens):
+            merged.append(step)
+            continue
+        positions = None
+        if last.position_ids is not None and step.position_ids is not None:
+            positions = torch.cat([last.position_ids, step.position_ids], dim=1)
+        hidden = torch.cat([last.hidden, step.hidden], dim=1)
+        merged[-1] = replace(last, hidden=hidden, attention_mask=step.attention_mask, position_ids=positions)
+    return merged
+
+
+def _joinable(first: SpanTensors, then: SpanTensors, max_tokens: int) -> bool:
+    batch, seq = first.hidden.shape[0], first.hidden.shape[1] + then.hidden.shape[1]
+    return (
+        then.hypo_ids is None and first.hidden.shape[1] > 0 and then.hidden.shape[1] > 0 and batch * seq <= max_tokens
+        and first.prompts is then.prompts
+        and (first.attention_mask is None) == (then.attention_mask is None)
+        and (first.position_ids is None) == (then.position_ids is None)
+    )  # fmt: skip
 
 
 class _SpanSession:
@@ -115,7 +146,7 @@ class InferenceSession:
 
     def __init__(
         self, manager: SequenceManager, loop: LoopThread, start: int, end: int, max_length: int,
-        active: list[InferenceSession] | None = None,
+        active: list[InferenceSession] | None = None, on_trace: Callable[[trace.RequestTrace], None] | None = None,
     ):  # fmt: skip
         self.manager, self.loop, self.start, self.end, self.max_length = manager, loop, start, end, max_length
         self.batch_size: int | None = None  # known once the route is open
@@ -128,6 +159,8 @@ class InferenceSession:
         self._spans: list[_SpanSession] = []
         self._push = manager.config.use_push  # off for the rest of the session after a push fails
         self._active = active  # the owner's sessions open in `with` blocks (generate() uses the innermost)
+        self.last_trace: trace.RequestTrace | None = None  # of the last step
+        self._on_trace = on_trace  # also told of each step's trace (the model's last_trace)
 
     @property
     def position(self) -> int:
@@ -173,7 +206,12 @@ class InferenceSession:
             hidden.detach().cpu(), attention_mask=attention_mask, position_ids=position_ids, hypo_ids=hypo_ids,
             prompts=None if prompts is None else prompts.detach().cpu(),
         )  # fmt: skip
-        return self.loop.run(self.astep(inputs)).to(hidden.device)
+        return self.loop.run(trace.traced("inference", self.astep(inputs), self._keep_trace)).to(hidden.device)
+
+    def _keep_trace(self, finished: trace.RequestTrace) -> None:
+        self.last_trace = finished
+        if self._on_trace is not None:
+            self._on_trace(finished)
 
     def _check_open(self) -> None:
         if self.closed:
@@ -238,15 +276,16 @@ class InferenceSession:
             and spans[-1].span.end == self.end
         )
 
-    async def _run_pushed(self, inputs: SpanTensors, retry: RetryBudget) -> torch.Tensor:
+    async def _run_pushed(self, inputs: SpanTensors, retry: RetryBudget) -> list[torch.Tensor]:
         """The step sent to the first server only, each server pushing its output to the next; the client reads
-        every server's output from its own stream (each span's input, kept for replays). On any failure the spans
+        every server's output from its own stream (each span's input, kept for replays; all are returned, for the
+        spot checks). On any failure the spans
         that did not answer are closed (a step may still be travelling towards them) and _PushFailed is raised:
         the caller repairs them and runs the step the client-relayed way."""
         spans, position = self._spans, self._position
         hops = [PushHop(peer_id=s.span.peer_id, session_id=s.session_id, start_from_position=position)
                 for s in spans[1:]]  # fmt: skip
-        hidden, index = inputs.hidden, 0
+        hidden, index, outputs = inputs.hidden, 0, []
         try:
             for index, span_session in enumerate(spans):
                 sent = replace(inputs, hidden=hidden)
@@ -257,6 +296,7 @@ class InferenceSession:
                     out = await span_session.receive(hidden)
                 span_session.pending, span_session.tokens = sent, position + hidden.shape[1]
                 hidden = out
+                outputs.append(out)
                 if index < len(spans) - 1 and span_session.push_error:
                     raise _PushFailed(f"server {span_session.span.peer_id[-6:]} could not push: "
                                       f"{span_session.push_error}")  # fmt: skip
@@ -267,7 +307,7 @@ class InferenceSession:
                 retry.failed(spans[index].span, e)
             await self._drop_after(index if spans[index].pending is None else index + 1)
             raise _PushFailed(str(e)) from e
-        return hidden
+        return outputs
 
     async def _drop_after(self, index: int) -> None:
         """Close the streams of spans[index:] (they are rebuilt by the next step's repair)."""
@@ -278,14 +318,29 @@ class InferenceSession:
 
     async def _run_spans(self, inputs: SpanTensors, retry: RetryBudget) -> torch.Tensor:
         """The step through every span, re-opening failed ones; each span keeps what it ran as pending."""
+        hidden, index, covered = inputs.hidden, 0, self.start
         if self._can_push(inputs):
             try:
-                return await self._run_pushed(inputs, retry)
+                outputs = await self._run_pushed(inputs, retry)
             except _PushFailed as e:
                 logger.warning("Push failed (%s); this session's steps now go through the client", e)
                 self._push = False
                 await self._repair(retry)
-        hidden, index, covered = inputs.hidden, 0, self.start
+            else:
+                while index < len(outputs):
+                    span_session = self._spans[index]
+                    if span_session.pending is None:
+                        raise RuntimeError("a pushed step left a span without its step")
+                    checked = await self._check(span_session, span_session.pending, outputs[index])
+                    if checked is not None:
+                        # the spans after it ran on a wrong input: the loop below cuts them back and runs them again
+                        hidden, winners = checked
+                        self._spans[index : index + 1] = winners
+                        index, covered = index + len(winners), winners[-1].span.end
+                        break
+                    index += 1
+                else:
+                    return outputs[-1]
         while index < len(self._spans):
             span_session = self._spans[index]
             sent = replace(inputs, hidden=hidden)
@@ -298,15 +353,72 @@ class InferenceSession:
                 span_session.broken = True
                 await span_session.close()
                 retry.failed(span_session.span, e)
+                trace.record_replay()
                 self._spans[index : index + 1] = await self._rebuild(span_session, retry)
                 continue
             span_session.pending, span_session.tokens = sent, self._position + hidden.shape[1]
             if span_session.span.start != covered:
                 raise RuntimeError(f"inference route skipped blocks {covered}:{span_session.span.start}")
-            hidden, index, covered = out, index + 1, span_session.span.end
+            checked = await self._check(span_session, sent, out)
+            if checked is not None:  # the span's result lost a spot check: the checking sessions take its place
+                out, winners = checked
+                self._spans[index : index + 1] = winners
+                index += len(winners) - 1
+            hidden, index, covered = out, index + 1, self._spans[index].span.end
         if covered != self.end:  # never return hidden states that missed a block
             raise RuntimeError(f"inference step ran blocks {self.start}:{covered} of {self.start}:{self.end}")
         return hidden
+
+    async def _check(
+        self, checked: _SpanSession, sent: SpanTensors, out: torch.Tensor
+    ) -> tuple[torch.Tensor, list[_SpanSession]] | None:
+        """Spot-check a span's step when the Verifier asks for it: independent servers replay the span's history (as
+        failover does) and run the step. None keeps the span; else the winning output and sessions (which then
+        hold the history and the step as pending, like the span they replace)."""
+        manager, span = self.manager, checked.span
+        first = Opinion((span.peer_id,), (manager.dtype_of(span.peer_id),), out)
+        reason = manager.verifier.reason_to_check(first.peers, span.end, out)
+        if reason is None or self.batch_size is None:
+            return None
+        replicas: dict[tuple[str, ...], list[_SpanSession]] = {}
+
+        async def rerun(avoid: set[str]) -> Opinion | None:
+            if not manager.can_route(span.start, span.end, self.batch_size or 1, avoid):
+                return None
+            retry = RetryBudget(manager, spread=False)  # few servers: each one used here cannot settle a disagreement
+            retry.avoid |= avoid
+            chain: list[_SpanSession] = []
+            try:
+                with trace.purpose("check"):
+                    chain = await self._rebuild(checked, retry)
+                    hidden = sent.hidden
+                    for span_session in chain:
+                        step = replace(sent, hidden=hidden)
+                        hidden = await span_session.send(step)
+                        span_session.pending, span_session.tokens = step, span_session.tokens + hidden.shape[1]
+            except (RemoteCallError, MissingBlocksError) as e:
+                await _close_all(chain)
+                logger.info("A check of blocks %d:%d found no working independent route: %s", span.start, span.end, e)
+                return None
+            peers = tuple(s.span.peer_id for s in chain)
+            replicas[peers] = chain
+            return Opinion(peers, tuple(manager.dtype_of(peer) for peer in peers), hidden)
+
+        def convict(peers: tuple[str, ...], why: str) -> None:
+            manager.convict(peers, why, span.start, span.end)
+
+        winner = first
+        try:
+            winner = await settle(manager.verifier, first, rerun, convict, span.start, span.end, reason)
+        finally:
+            for peers, chain in replicas.items():
+                if peers != winner.peers:
+                    await _close_all(chain)
+        if winner is first:
+            return None
+        checked.broken = True
+        await checked.close()
+        return winner.output, replicas[winner.peers]
 
     async def _repair(self, retry: RetryBudget) -> None:
         """Bring every span to the session's position after a failed step: a span that ran it without reordering
@@ -322,6 +434,7 @@ class InferenceSession:
                 span_session.broken = True
                 await span_session.close()
             try:
+                trace.record_replay()
                 repaired.extend(await self._rebuild(span_session, retry))
             except BaseException:
                 self._spans = repaired + self._spans[index:]  # this one stays broken: the next step retries
@@ -356,7 +469,8 @@ class InferenceSession:
         while True:
             replacement = await self._open_chain(lost.span.start, lost.span.end, self.batch_size, retry)
             try:
-                for step in lost.history:
+                # one step per run of steps: a replay costs a few round trips, not one per token generated
+                for step in merge_history(lost.history, self.manager.request_limit(lost.span.start, lost.span.end)):
                     hidden = step.hidden
                     for span_session in replacement:
                         sent = replace(step, hidden=hidden)

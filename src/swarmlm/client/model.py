@@ -16,6 +16,7 @@ from swarmlm.client.generation import RemoteGenerationMixin, SessionStacks
 from swarmlm.client.inference import InferenceSession
 from swarmlm.client.prompts import PromptTuning
 from swarmlm.client.remote_sequential import RemoteSequential, SwarmClient
+from swarmlm.client.trace import RequestTrace
 from swarmlm.config import ClientConfig
 from swarmlm.errors import ModelLoadError
 from swarmlm.models.fingerprint import model_fingerprint
@@ -23,6 +24,7 @@ from swarmlm.models.loading import load_config, load_tensors, resolve_model
 from swarmlm.models.naming import default_dht_prefix
 from swarmlm.models.registry import ModelFamily, get_family
 from swarmlm.protocol.messages import ServerInfo
+from swarmlm.swarm.private import load_swarm_key
 
 logger = logging.getLogger(__name__)
 
@@ -52,15 +54,17 @@ class DistributedCausalLMMixin(RemoteGenerationMixin):
         cache_dir: str | os.PathLike | None = None,
         tuning_mode: str | None = None,
         pre_seq_len: int = 16,
+        swarm_key: str | os.PathLike | bytes | None = None,
         **client_options: Any,
     ) -> DistributedCausalLMMixin:
         """Load the local parts of `model` (a name, .gguf or HF folder) and connect to the swarm serving its blocks.
 
         dtype is that of the local parts ("auto": the checkpoint's); torch_dtype is its older name, as in Petals.
         tuning_mode "ptune" or "deep_ptune" adds pre_seq_len trainable prompts (the only trainable parameters).
+        swarm_key: a private swarm's key file (or its 32-byte secret).
         client_options are ClientConfig fields (dht_prefix, max_tokens_per_request, request_timeout_s, ...).
         """
-        known = {f.name for f in fields(ClientConfig)} - {"initial_peers"}
+        known = {f.name for f in fields(ClientConfig)} - {"initial_peers", "swarm_key"}
         unknown = set(client_options) - known
         if unknown:
             raise TypeError(f"unknown option(s) {sorted(unknown)}; client options are {sorted(known)}")
@@ -74,6 +78,8 @@ class DistributedCausalLMMixin(RemoteGenerationMixin):
         if distributed_cls.family is not family:
             raise ModelLoadError(f"{cls.__name__} cannot load a {config.model_type!r} model")
         options = {**client_options, "dht_prefix": client_options.get("dht_prefix") or default_dht_prefix(model)}
+        if swarm_key is not None:
+            options["swarm_key"] = swarm_key if isinstance(swarm_key, bytes) else load_swarm_key(swarm_key)
         client_config = ClientConfig(initial_peers=tuple(initial_peers), **options)
         with torch.device("meta"):
             instance = distributed_cls(config)
@@ -166,6 +172,12 @@ class DistributedCausalLMMixin(RemoteGenerationMixin):
     def server_info(self, peer_id: str) -> ServerInfo:
         """What one server says about itself now: span, version, fingerprint, limits, free cache and speed."""
         return self._client().server_info(peer_id)
+
+    @property
+    def last_trace(self) -> RequestTrace | None:
+        """The trace of this model's last forward, backward or inference step: servers used, compute vs network
+        time, retries, replays and spot checks with their outcomes (client/trace.py)."""
+        return self._client().last_trace
 
     def _client(self) -> SwarmClient:
         layers = self.model.layers

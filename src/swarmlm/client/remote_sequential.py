@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from swarmlm.client import trace
 from swarmlm.client.chain import ChainArgs, Hop, run_backward_chain, run_forward_chain
 from swarmlm.client.inference import InferenceSession
 from swarmlm.client.loop import LoopThread
@@ -40,6 +41,14 @@ class SwarmClient:
             self.loop.close()
             raise
         self.closed = False
+        self.last_trace: trace.RequestTrace | None = None  # of the last forward, backward or inference step
+
+    def keep_trace(self, finished: trace.RequestTrace) -> None:
+        self.last_trace = finished
+
+    def run_traced(self, kind: str, coroutine: Coroutine[Any, Any, T]) -> T:
+        """Run a request on the client's loop, keeping its trace as last_trace."""
+        return self.loop.run(trace.traced(kind, coroutine, self.keep_trace))
 
     def server_info(self, peer_id: str) -> ServerInfo:
         """What one server says about itself now: span, version, fingerprint, limits, free cache and speed."""
@@ -113,7 +122,10 @@ class RemoteSequential(nn.Module):
         through the servers' KV caches. Use it as a context manager, or close() it."""
         if self.client.closed:
             raise SessionClosedError("this model's swarm connection is closed")
-        return InferenceSession(self.client.manager, self.client.loop, self.start, self.end, max_length, active)
+        client = self.client
+        return InferenceSession(
+            client.manager, client.loop, self.start, self.end, max_length, active, on_trace=client.keep_trace
+        )
 
     def extra_repr(self) -> str:
         return f"blocks={self.start}:{self.end}"
@@ -221,7 +233,7 @@ class _RemoteBlocks(torch.autograd.Function):
     ) -> torch.Tensor:
         send_prompts = None if prompts is None else prompts.detach().cpu()
         pieces = blocks._pieces(hidden.detach().cpu(), mask, positions, send_prompts)
-        output, pieces, hops = blocks.client.loop.run(blocks._forward(pieces))
+        output, pieces, hops = blocks.client.run_traced("forward", blocks._forward(pieces))
         ctx.blocks, ctx.pieces, ctx.hops = blocks, pieces, hops
         ctx.hidden_meta = (hidden.dtype, hidden.device)
         ctx.prompts_meta = None if prompts is None else (prompts.dtype, prompts.device)
@@ -230,8 +242,8 @@ class _RemoteBlocks(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple:
         blocks: RemoteSequential = ctx.blocks
-        grad_hidden, grad_prompts = blocks.client.loop.run(
-            blocks._backward(grad_output.detach().cpu().float(), ctx.pieces, ctx.hops)
+        grad_hidden, grad_prompts = blocks.client.run_traced(
+            "backward", blocks._backward(grad_output.detach().cpu().float(), ctx.pieces, ctx.hops)
         )
         grad_hidden = grad_hidden.to(ctx.hidden_meta[1], ctx.hidden_meta[0])
         if grad_prompts is not None:

@@ -9,13 +9,17 @@ import time
 from collections.abc import Collection, Iterable
 
 from hivemind.p2p import P2P, PeerID
+from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 
 from swarmlm.client.health import Health
 from swarmlm.client.swarm_view import ServerFilter, SwarmView
+from swarmlm.client.verify import Verifier
 from swarmlm.config import ClientConfig
-from swarmlm.errors import MissingBlocksError
+from swarmlm.errors import MissingBlocksError, RemoteCallError
+from swarmlm.swarm import private, reports
 from swarmlm.swarm.dht import ParentBoundDHT, is_loopback_maddr, start_dht
+from swarmlm.swarm.private import blind_prefix
 from swarmlm.swarm.records import ServerRecord, fetch_servers
 from swarmlm.swarm.routing import RouteSpan, ServerView, find_route, missing_blocks
 
@@ -52,6 +56,8 @@ class SequenceManager:
     """
 
     def __init__(self, config: ClientConfig, dht_prefix: str, num_blocks: int, fingerprint: str | None = None):
+        if config.swarm_key is not None:  # a private swarm's records live under a name only members can compute
+            dht_prefix = blind_prefix(dht_prefix, config.swarm_key)
         self.config, self.dht_prefix, self.num_blocks = config, dht_prefix, num_blocks
         self.dht: ParentBoundDHT | None = None
         self.p2p: P2P | None = None
@@ -59,7 +65,11 @@ class SequenceManager:
             ServerFilter.of(fingerprint, config.accepted_dtypes, config.allowed_servers, config.blocked_servers)
         )
         self.health = Health(config.ban_base_s, config.ban_max_s)
+        self.verifier = Verifier(config.verify_probability, config.verify_first_requests)
+        self._my_reports: dict[str, reports.Report] = {}  # servers this client caught, as published on the DHT
+        self._background: set[asyncio.Task] = set()  # report publications in flight
         self._connected: set[str] = set()
+        self._joined: set[str] = set()  # servers of a private swarm this client proved its membership to
         self._rng = random.Random()
         self._last_used: dict[str, float] = {}  # peer -> when a route last went through it (monotonic s)
         self._refresh_task: asyncio.Task | None = None
@@ -72,7 +82,9 @@ class SequenceManager:
     async def start(self) -> None:
         peers = self.config.initial_peers
         host = "127.0.0.1" if peers and all(is_loopback_maddr(p) for p in peers) else "0.0.0.0"
-        self.dht = await asyncio.to_thread(start_dht, peers, host=host, client_mode=True)
+        self.dht = await asyncio.to_thread(
+            start_dht, peers, host=host, client_mode=True, swarm_key=self.config.swarm_key
+        )
         self.p2p = await self.dht.replicate_p2p()
         await self.refresh()
         self._refresh_task = asyncio.create_task(self._refresh_forever())
@@ -80,6 +92,8 @@ class SequenceManager:
     async def close(self) -> None:
         if self._refresh_task is not None:
             self._refresh_task.cancel()
+        for task in list(self._background):
+            task.cancel()
         if self.p2p is not None:
             await self.p2p.shutdown()
         if self.dht is not None:
@@ -93,6 +107,11 @@ class SequenceManager:
             logger.warning("Reading the swarm from the DHT failed: %s", repr(e))
             return
         self.view.update(records)
+        try:
+            async with asyncio.timeout(self.config.dht_timeout_s):
+                self.verifier.reported = set(await reports.fetch_reported(self.dht, self.dht_prefix))
+        except Exception as e:  # noqa: BLE001 - reports only tune how often servers are checked; retried next time
+            logger.warning("Reading reports of wrong results from the DHT failed: %s", repr(e))
 
     async def _refresh_forever(self) -> None:
         while True:
@@ -104,6 +123,11 @@ class SequenceManager:
         smaller per-request limit."""
         too_small = {peer for peer in self.servers if (self.max_tokens_of(peer) or tokens) < tokens}
         return self.health.banned() | set(avoid) | too_small
+
+    def dtype_of(self, peer_id: str) -> str:
+        """The compute dtype a server announces ("unknown" for one no longer in view: the coarsest tolerance)."""
+        record = self.servers.get(peer_id)
+        return "unknown" if record is None else record.dtype
 
     def max_tokens_of(self, peer_id: str) -> int | None:
         """The per-request token limit a server announces, if it announces one."""
@@ -124,19 +148,21 @@ class SequenceManager:
         return find_route(views, start, end, banned=self._excluded(tokens, avoid), tokens=tokens) is not None
 
     async def make_route(
-        self, start: int, end: int, tokens: int = 1, avoid: Collection[str] = (), session_tokens: int | None = None
+        self, start: int, end: int, tokens: int = 1, avoid: Collection[str] = (), session_tokens: int | None = None,
+        spread: bool = True,
     ) -> list[RouteSpan]:
         """A route over blocks [start, end) for `tokens` tokens, without the servers in `avoid`; waits for missing
         blocks up to the configured timeout. session_tokens (batch x max_length): the route opens inference
         sessions of this size, so servers announcing too little free cache for one are avoided while others can
-        serve their blocks (announcements lag: when none can, the servers themselves answer)."""
+        serve their blocks (announcements lag: when none can, the servers themselves answer). Without spread, the
+        cheapest route is taken (no draw among near-equal ones, no stickiness): spot checks want few servers."""
         began = time.monotonic()
         while True:
             banned, views = self._excluded(tokens, avoid), self.view.views(self.health)
             route = None
             if session_tokens is not None:
-                route = self._find(views, start, end, tokens, banned | self.view.full_for(session_tokens))
-            route = route or self._find(views, start, end, tokens, banned)
+                route = self._find(views, start, end, tokens, banned | self.view.full_for(session_tokens), spread)
+            route = route or self._find(views, start, end, tokens, banned, spread)
             if route is not None:
                 now = time.monotonic()
                 self._last_used.update((span.peer_id, now) for span in route)
@@ -149,9 +175,12 @@ class SequenceManager:
             await self.refresh()
 
     def _find(
-        self, views: list[ServerView], start: int, end: int, tokens: int, banned: set[str]
+        self, views: list[ServerView], start: int, end: int, tokens: int, banned: set[str], spread: bool = True
     ) -> list[RouteSpan] | None:
-        """find_route drawing among near-equal routes, preferring the servers this client used recently."""
+        """find_route drawing among near-equal routes, preferring the servers this client used recently (without
+        spread: the cheapest route)."""
+        if not spread:
+            return find_route(views, start, end, banned=banned, tokens=tokens)
         recent = time.monotonic() - self.config.sticky_route_s
         prefer = {peer for peer, when in self._last_used.items() if when > recent}
         config = self.config
@@ -171,8 +200,35 @@ class SequenceManager:
         """Avoid a failed server for a while; each further failure doubles the ban (up to ban_max_s)."""
         duration = self.health.ban(peer_id)
         self._connected.discard(peer_id)
+        self._joined.discard(peer_id)  # a restarted server forgot us: join again
         self._last_used.pop(peer_id, None)  # once its ban is over, a failed server earns no stickiness
         logger.warning("Server ...%s failed (%s); avoiding it for %.1f s", peer_id[-6:], reason, duration)
+
+    def convict(self, peers: tuple[str, ...], reason: str, start: int, end: int) -> None:
+        """Servers whose result lost a spot check: this client never uses them again, and reports a lone culprit
+        on the DHT (where several servers produced the wrong result together, which one lied is unknown)."""
+        for peer_id in peers:
+            self.health.distrust(peer_id)
+            self._connected.discard(peer_id)
+            self._last_used.pop(peer_id, None)
+            logger.warning("Server ...%s returned a wrong result (%s); not using it again", peer_id[-6:], reason)
+        if len(peers) == 1 and self.dht is not None and self.p2p is not None:
+            self._my_reports[peers[0]] = reports.Report(reason=reason[:300], start=start, end=end, time=get_dht_time())
+            task = asyncio.create_task(self._publish_reports())
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _publish_reports(self) -> None:
+        if self.p2p is None:
+            return
+        try:
+            async with asyncio.timeout(self.config.dht_timeout_s):
+                mine, ttl_s = self.p2p.peer_id.to_base58(), self.config.report_ttl_s
+                stored = await reports.publish(self.dht, self.dht_prefix, mine, self._my_reports, ttl_s)
+            if not stored:
+                logger.warning("Storing reports of wrong results on the DHT failed")
+        except Exception as e:  # noqa: BLE001 - the ban holds anyway; only other clients miss the report
+            logger.warning("Publishing reports of wrong results failed: %s", repr(e))
 
     def cool_down(self, peer_id: str, reason: object) -> None:
         """Avoid a busy server briefly; unlike ban() this is no failure of it and never grows."""
@@ -191,4 +247,9 @@ class SequenceManager:
         if peer_id not in self._connected and record is not None and record.addrs:
             await dial(self.p2p, peer, list(record.addrs))
             self._connected.add(peer_id)
+        key = self.config.swarm_key
+        if key is not None and peer_id not in self._joined:
+            if not await private.join(self.p2p, peer, key, self.config.request_timeout_s):
+                raise RemoteCallError("the server refused this client's swarm key (another private swarm?)", peer_id)
+            self._joined.add(peer_id)
         return peer

@@ -12,6 +12,7 @@ import torch
 from hivemind.p2p import P2PDaemonError, P2PHandlerError
 from hivemind.proto import runtime_pb2
 
+from swarmlm.client import trace
 from swarmlm.client.sequence_manager import SequenceManager
 from swarmlm.errors import BadRequestError, ProtocolError, RemoteCallError
 from swarmlm.protocol import service
@@ -128,8 +129,10 @@ async def call_span(
     reply, outputs = _checked(manager, message, method, peer_id, time.perf_counter() - began)
     check_outputs(outputs, expected, method, peer_id)
     # the whole time by our clock, compute included: the compute time a server reports is its claim, not a measure
-    blocks = getattr(header, "end_block", 0) - getattr(header, "start_block", 0)
-    manager.record_success(peer_id, time.perf_counter() - began, call_work(blocks, tensors))
+    start, end = getattr(header, "start_block", 0), getattr(header, "end_block", 0)
+    elapsed_s = time.perf_counter() - began
+    manager.record_success(peer_id, elapsed_s, call_work(end - start, tensors))
+    trace.record_call(peer_id, start, end, getattr(header, "kind", method), elapsed_s * 1e3, reply.compute_ms)
     return reply, outputs
 
 
@@ -167,7 +170,7 @@ class SpanStream:
 
     def __init__(self, manager: SequenceManager, peer_id: str, method: str):
         self.manager, self.peer_id, self.method = manager, peer_id, method
-        self._blocks = 0  # blocks of the session, known from its opening message
+        self._span = (0, 0)  # blocks of the session, known from its opening message
         self._queue: asyncio.Queue[runtime_pb2.ExpertRequest | None] = asyncio.Queue()
         self._replies: AsyncGenerator[runtime_pb2.ExpertResponse, None] | None = None
         self.last_reply: ReplyHeader | None = None  # the header of the last reply read
@@ -184,7 +187,7 @@ class SpanStream:
         if expected is None:
             expected = [Expected.like(tensors[0])] if tensors else []
         if isinstance(header, InferenceOpen):  # the opening message: the session's blocks, to cost its steps
-            self._blocks = header.end_block - header.start_block
+            self._span = (header.start_block, header.end_block)
         began = time.perf_counter()
         timeout_s = self.manager.config.request_timeout_s
         with remote_errors(self.method, self.peer_id, timeout_s):
@@ -196,15 +199,18 @@ class SpanStream:
                 for part in encode(header, tensors, runtime_pb2.ExpertRequest):
                     self._queue.put_nowait(part)
                 message = await read_message(self._replies, ReplyHeader, max_bytes=reply_bytes(expected))
-        self.last_reply, outputs = _checked(self.manager, message, self.method, self.peer_id,
-                                            time.perf_counter() - began)  # fmt: skip
+        reply, outputs = _checked(self.manager, message, self.method, self.peer_id, time.perf_counter() - began)
+        self.last_reply = reply
         check_outputs(outputs, expected, self.method, self.peer_id)
-        self.manager.record_success(self.peer_id, time.perf_counter() - began, call_work(self._blocks, tensors))
+        (start, end), elapsed_s = self._span, time.perf_counter() - began
+        self.manager.record_success(self.peer_id, elapsed_s, call_work(end - start, tensors))
+        kind = getattr(header, "kind", self.method)
+        trace.record_call(self.peer_id, start, end, kind, elapsed_s * 1e3, reply.compute_ms)
         return outputs
 
     async def receive(self, expected: Sequence[Expected]) -> list[torch.Tensor]:
         """Read one more reply without sending (the answer to a step another server pushed to this session)."""
-        timeout_s = self.manager.config.request_timeout_s
+        began, timeout_s = time.perf_counter(), self.manager.config.request_timeout_s
         with remote_errors(self.method, self.peer_id, timeout_s):
             async with asyncio.timeout(timeout_s):
                 if self._replies is None:
@@ -212,6 +218,8 @@ class SpanStream:
                 message = await read_message(self._replies, ReplyHeader, max_bytes=reply_bytes(expected))
         self.last_reply, outputs = check_reply(message, self.method, self.peer_id)
         check_outputs(outputs, expected, self.method, self.peer_id)
+        (start, end), waited_ms = self._span, (time.perf_counter() - began) * 1e3
+        trace.record_call(self.peer_id, start, end, "pushed step", waited_ms, self.last_reply.compute_ms)
         return outputs
 
     async def close(self) -> None:

@@ -28,12 +28,14 @@ from swarmlm.server.backend import SpanBackend
 from swarmlm.server.cache import CacheBudget, default_cache_tokens
 from swarmlm.server.handler import SpanHandler
 from swarmlm.server.inference import InferenceSessions
+from swarmlm.server.membership import Members
 from swarmlm.server.peers import PeerLedger, PeerLimits
 from swarmlm.server.placement import Span, claimed_first, estimate_throughput, requested_span, should_move
 from swarmlm.server.push import Pusher
 from swarmlm.server.transport import StreamLimits
 from swarmlm.server.validation import max_message_bytes
 from swarmlm.swarm.dht import start_dht, visible_maddrs
+from swarmlm.swarm.private import blind_prefix
 from swarmlm.swarm.records import ServerRecord, ServerState, announce, fetch_servers
 
 logger = logging.getLogger(__name__)
@@ -53,6 +55,8 @@ class Server:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.dht_prefix = config.dht_prefix or default_dht_prefix(config.model)
+        if config.swarm_key is not None:  # a private swarm's records live under a name only members can compute
+            self.dht_prefix = blind_prefix(self.dht_prefix, config.swarm_key)
         self.model_dir = resolve_model(config.model, cache_dir=config.cache_dir)
         model_config = load_config(self.model_dir)
         self.num_blocks_total = model_config.num_hidden_layers
@@ -76,7 +80,8 @@ class Server:
 
     def run(self) -> None:
         self.dht = start_dht(
-            () if self.config.new_swarm else self.config.initial_peers, host=self.config.host, port=self.config.port
+            () if self.config.new_swarm else self.config.initial_peers, host=self.config.host, port=self.config.port,
+            swarm_key=self.config.swarm_key,
         )
         try:
             asyncio.run(self._serve())
@@ -214,7 +219,8 @@ class Server:
         )
         self.handler = SpanHandler(self.backend, self.inference, cfg.request_timeout_s, self.describe)
         limits = StreamLimits(int(cfg.max_frame_mb * 1e6), cfg.request_timeout_s, cfg.write_timeout_s)
-        await transport.register(p2p, self.handler, ledger, limits)
+        members = None if cfg.swarm_key is None else Members(cfg.swarm_key)
+        await transport.register(p2p, self.handler, ledger, limits, members)
         return self.handler
 
     def _sessions(self) -> InferenceSessions:

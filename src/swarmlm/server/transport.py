@@ -30,6 +30,7 @@ from hivemind.proto.p2pd_pb2 import RPCError
 from swarmlm.errors import ProtocolError
 from swarmlm.protocol.codec import MAX_CHUNKS_PER_PART
 from swarmlm.protocol.service import SpanService
+from swarmlm.server.membership import Members, refuse_outsider
 from swarmlm.server.peers import LimitError, PeerLedger, short
 
 logger = logging.getLogger(__name__)
@@ -185,14 +186,21 @@ def _varint(data: bytes, position: int) -> tuple[int, int]:
     return value, position
 
 
-async def register(p2p: P2P, implementation: object, ledger: PeerLedger, limits: StreamLimits) -> None:
-    """Serve `implementation`'s rpc_* methods under SpanService's names, through bounded streams."""
+async def register(
+    p2p: P2P, implementation: object, ledger: PeerLedger, limits: StreamLimits, members: Members | None = None
+) -> None:
+    """Serve `implementation`'s rpc_* methods under SpanService's names, through bounded streams; with `members`
+    (a private swarm), only to peers that proved they hold the swarm key."""
+    if members is not None:
+        await members.register(p2p)
     for method in METHODS:
         name = SpanService._get_handle_name(None, method)
         handler = getattr(implementation, method)
 
         async def handle(info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                          handler: Handler = handler, name: str = name) -> None:  # fmt: skip
+            if members is not None and not members.admits(info.peer_id.to_base58()):
+                handler = refuse_outsider
             await _serve_stream(handler, name, p2p, info, reader, writer, ledger, limits)
 
         await p2p.add_binary_stream_handler(name, handle)

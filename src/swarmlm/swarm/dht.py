@@ -12,6 +12,7 @@ import hivemind
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from swarmlm.swarm.identity import PeerIdSignatureValidator, temporary_identity_file
+from swarmlm.swarm.private import SwarmKeyValidator
 from swarmlm.utils.processes import kill_group_when_orphaned
 
 logger = logging.getLogger(__name__)
@@ -42,11 +43,13 @@ def start_dht(
     host: str = "0.0.0.0",
     port: int = 0,
     client_mode: bool = False,
+    swarm_key: bytes | None = None,
 ) -> ParentBoundDHT:
     """Start a DHT node; on a loopback host the NAT traversal and relay machinery of p2pd is turned off.
 
     The node gets a fresh Ed25519 identity and validates every record it stores or reads: only the owner of a peer
-    id may write that peer id's entry (see swarm/identity.py).
+    id may write that peer id's entry (see swarm/identity.py). With swarm_key, it also stores and accepts only
+    records encrypted with that key (see swarm/private.py).
     """
     loopback = _is_loopback_host(host)
     ip = "ip6" if ":" in host else "ip4"
@@ -61,7 +64,7 @@ def start_dht(
             host_maddrs=[f"/{ip}/{host}/tcp/{port}"],
             client_mode=client_mode,
             start=False,
-            record_validators=[PeerIdSignatureValidator(key)],
+            record_validators=[PeerIdSignatureValidator(key)] + ([SwarmKeyValidator(swarm_key)] if swarm_key else []),
             identity_path=str(identity_path),
             # hivemind's "is this identity taken" check parses RSA keys only; a fresh random key is never taken
             check_if_identity_free=False,

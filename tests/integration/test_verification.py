@@ -1,0 +1,122 @@
+"""Spot checks on a real swarm: two honest servers and a tampering one (hostile_server.py) for every block of the
+tiny model. A server returning wrong results is caught within a bounded number of requests and reported on the DHT;
+the user's results stay equal to a local run; honest servers are never convicted."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from swarmlm.local_swarm import LocalSwarm
+from tests.conftest import LOGITS_ATOL, connected_model, load_reference, running_swarm
+from tests.integration.hostile_server import PERTURBED_LINE
+from tests.integration.test_client_resilience import Hostile, add_hostile, manager_of
+
+# honest requests (varied shapes) during which no honest server may be convicted at the default tolerance
+HONEST_REQUESTS = 200
+# requests through a server that perturbs half of its replies, checked with probability 1/2, before it must be
+# caught: a miss has probability (3/4)^40 < 1e-4
+SOMETIMES_BOUND = 40
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir: Path) -> torch.nn.Module:
+    return load_reference(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def swarm(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalSwarm, Hostile]]:
+    """Two honest servers of blocks 0:5 and one hostile one that a fresh client tries first (it claims speed)."""
+    mode_file = tmp_path_factory.mktemp("tamper") / "mode"
+    mode_file.write_text("honest")
+    with running_swarm(tiny_model_dir, [(0, 5), (0, 5)]) as local:
+        yield local, Hostile(add_hostile(local, 0, 5, mode_file), mode_file)
+
+
+def _local(reference: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return reference(ids).logits
+
+
+def _ids(seed: int, batch: int = 2, seq: int = 7) -> torch.Tensor:
+    return torch.randint(0, 128, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def test_honest_servers_are_never_convicted(tiny_model_dir: Path, reference, swarm) -> None:
+    local, hostile = swarm
+    hostile.set("honest")
+    with connected_model(tiny_model_dir, local, verify_probability=1.0) as model:
+        manager = manager_of(model)
+        for i in range(HONEST_REQUESTS):
+            ids = _ids(i, batch=1 + i % 3, seq=1 + i % 13)
+            assert (model(ids).logits - _local(reference, ids)).abs().max().item() <= LOGITS_ATOL
+            outcomes = {check.outcome for check in model.last_trace.checks}
+            assert outcomes == {"agreed"}, model.last_trace.summary()
+        assert not any(manager.health.distrusted(s.peer_id) for s in local.servers)
+        assert not manager.verifier.reported
+
+
+def test_a_tampering_server_is_caught_at_once_and_reported(tiny_model_dir: Path, reference, swarm) -> None:
+    local, hostile = swarm
+    hostile.set("perturb")
+    ids = _ids(1000)
+    with connected_model(tiny_model_dir, local) as model:  # default probability: new servers are always checked
+        assert (model(ids).logits - _local(reference, ids)).abs().max().item() <= LOGITS_ATOL
+        assert hostile.count(PERTURBED_LINE) >= 1, "the hostile server was not used"
+        assert manager_of(model).health.distrusted(hostile.peer_id)
+        last = model.last_trace
+        # it computed the result or checked another's: either way it is in the minority
+        assert any(c.outcome == f"wrong: ...{hostile.peer_id[-6:]}" for c in last.checks), last.summary()
+        assert hostile.peer_id in last.servers
+        for i in range(5):  # never routed through again
+            assert (model(_ids(i)).logits - _local(reference, _ids(i))).abs().max().item() <= LOGITS_ATOL
+            assert hostile.peer_id not in model.last_trace.servers
+    # another client reads the signed report and checks the accused more often (it does not ban on hearsay)
+    with connected_model(tiny_model_dir, local) as other:
+        manager = manager_of(other)
+        assert hostile.peer_id in manager.verifier.reported
+        assert not manager.health.distrusted(hostile.peer_id)
+
+
+def test_a_server_tampering_sometimes_is_caught_within_a_bounded_number_of_requests(
+    tiny_model_dir: Path, reference, swarm
+) -> None:
+    local, hostile = swarm
+    hostile.set("perturb_sometimes")
+    through_hostile, checked_results = 0, 0
+    # routes drawn at random among all three servers, so that the hostile one serves about a third of them
+    spread = dict(route_tie_tolerance=100.0, route_stickiness=0.0)
+    with connected_model(tiny_model_dir, local, verify_probability=0.5, **spread) as model:
+        manager = manager_of(model)
+        for i in range(10 * SOMETIMES_BOUND):  # the hostile server serves about a third of them
+            ids = _ids(2000 + i)
+            logits = model(ids).logits
+            used = hostile.peer_id in {c.peer_id for c in model.last_trace.calls if c.kind == "forward"}
+            through_hostile += used
+            if model.last_trace.checks:  # a checked result is always right, whoever computed it
+                checked_results += 1
+                assert (logits - _local(reference, ids)).abs().max().item() <= LOGITS_ATOL
+            if manager.health.distrusted(hostile.peer_id):
+                break
+        assert manager.health.distrusted(hostile.peer_id), f"not caught in {through_hostile} requests through it"
+        assert through_hostile <= SOMETIMES_BOUND
+        assert checked_results >= 1
+        assert not any(manager.health.distrusted(s.peer_id) for s in local.servers if s is not hostile.server)
+
+
+def test_a_server_tampering_in_sessions_is_caught_and_replaced(tiny_model_dir: Path, reference, swarm) -> None:
+    local, hostile = swarm
+    hostile.set("perturb_sessions")
+    ids = _ids(3000, batch=1, seq=6)
+    with torch.inference_mode():
+        expected = reference.generate(ids, max_new_tokens=12, do_sample=False)
+    with connected_model(tiny_model_dir, local) as model:
+        with model.inference_session(max_length=32) as session:
+            output = model.generate(ids, max_new_tokens=12, do_sample=False, session=session)
+        assert torch.equal(output, expected)
+        assert hostile.count(PERTURBED_LINE) >= 1, "the hostile server was not used"
+        assert manager_of(model).health.distrusted(hostile.peer_id)
+        assert model.last_trace.kind == "inference"
