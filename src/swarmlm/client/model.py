@@ -140,7 +140,7 @@ class DistributedCausalLMMixin(RemoteGenerationMixin):
         if tuning is not None:
             hidden = hidden[:, tuning.pre_seq_len :]  # logits and labels align with the caller's tokens
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = self.get_submodule(self.family.head_name)(hidden[:, keep, :])
+        logits = self.family.final_logits(self.config, self.get_submodule(self.family.head_name)(hidden[:, keep, :]))
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
