@@ -103,6 +103,11 @@ class DistributedCausalLMMixin(RemoteGenerationMixin):
         # the rotary embedding runs on the servers; rebuild it off the meta device so .to() works
         self.model.rotary_emb = self.family.rotary_class(self.config)
         self.model.layers = torch.nn.ModuleList()  # the meta-device blocks are never used
+        self.family.client_buffers(self)
+        left = [name for name, tensor in self.state_dict(keep_vars=True).items() if tensor.is_meta]
+        left += [name for name, buffer in self.named_buffers() if buffer.is_meta]
+        if left:
+            raise ModelLoadError(f"{model_dir}: the client's parts lack {sorted(set(left))[:5]}")
         self.requires_grad_(False)
         self.eval()
 

@@ -52,6 +52,10 @@ def softcapped_logits(config: PretrainedConfig, logits: torch.Tensor) -> torch.T
     return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
+def no_buffers(model: nn.Module) -> None:
+    return None
+
+
 def stored_as_is(config: PretrainedConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return tensors
 
@@ -76,6 +80,9 @@ class ModelFamily:
     # (config, one block's tensors as stored, named relative to the block) -> the block module's state dict: for
     # families whose checkpoints keep a layout transformers converts on load (Mixtral's per-expert matrices)
     block_state: Callable[[PretrainedConfig, dict[str, torch.Tensor]], dict[str, torch.Tensor]] = stored_as_is
+    # (causal LM) -> None: recompute buffers of the client's parts that checkpoints do not store (they are built on
+    # the meta device); the rotary embedding is rebuilt for every family
+    client_buffers: Callable[[nn.Module], None] = no_buffers
     # (config, logits) -> logits: what the local model does after its LM head (soft-capping)
     final_logits: Callable[[PretrainedConfig, torch.Tensor], torch.Tensor] = plain_logits
 
