@@ -74,3 +74,23 @@ def build_tiny(model_type: str, folder: Path, seed: int = 0) -> Path:
                 parameter.add_(torch.randn_like(parameter) * 0.2)
     model.save_pretrained(folder)
     return folder
+
+
+def build_adapter(model_dir: Path, folder: Path, seed: int, **lora: Any) -> Path:
+    """A random PEFT LoRA adapter of the model in `model_dir`, saved to `folder` (its name is the adapter's name).
+    Its B matrices are random too (PEFT starts them at zero), so that the adapter changes the outputs."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    options = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"], **lora}
+    get_peft_model(base, LoraConfig(init_lora_weights=False, **options)).save_pretrained(folder)
+    return folder
+
+
+def load_peft_reference(model_dir: Path, adapter: Path) -> torch.nn.Module:
+    """The local PEFT model: the whole model with the adapter, in fp32."""
+    from peft import PeftModel
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa", dtype=torch.float32)
+    return PeftModel.from_pretrained(base, adapter).eval()

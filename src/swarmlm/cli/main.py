@@ -99,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds between refreshes of the DHT record")  # fmt: skip
     serve.add_argument("--record-ttl", type=float, default=ServerConfig.record_ttl_s,
                        help="seconds a record lives unrefreshed (a crashed server is forgotten then)")  # fmt: skip
+    serve.add_argument(
+        "--adapters", nargs="+", default=[], metavar="PATH",
+        help="PEFT LoRA adapter folders for the served blocks; clients name one by its folder name",
+    )  # fmt: skip
     serve.add_argument("--max-frame-mb", type=float, default=ServerConfig.max_frame_mb, help="largest frame accepted")
 
     dht = sub.add_parser("dht", help="run a bootstrap-only DHT node that others join")
@@ -175,6 +179,7 @@ def _serve(args: argparse.Namespace) -> None:
         balance_quality=args.balance_quality,
         announce_interval_s=args.announce_interval,
         record_ttl_s=args.record_ttl,
+        adapters=tuple(args.adapters),
     )
     Server(config).run()
 

@@ -61,8 +61,9 @@ class _SpanSession:
 
     async def open(self, batch_size: int, max_length: int) -> None:
         header = InferenceOpen(
-            start_block=self.span.start, end_block=self.span.end, batch_size=batch_size, max_length=max_length
-        )
+            start_block=self.span.start, end_block=self.span.end, batch_size=batch_size, max_length=max_length,
+            adapter=self.stream.manager.config.active_adapter,
+        )  # fmt: skip
         await self.stream.exchange(header, [])
 
     async def send(self, inputs: SpanTensors, start_from: int | None = None) -> torch.Tensor:

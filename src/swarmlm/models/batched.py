@@ -44,10 +44,13 @@ class StackedCaches:
 
 
 def decode_batched(
-    span: SpanModel, hidden: Sequence[torch.Tensor], caches: Sequence[DynamicCache], start: int, end: int
-) -> list[torch.Tensor]:
+    span: SpanModel, hidden: Sequence[torch.Tensor], caches: Sequence[DynamicCache], start: int, end: int,
+    adapter: str | None = None,
+) -> list[torch.Tensor]:  # fmt: skip
     """hidden[i] (rows_i, 1, hidden) is one new token of the session owning caches[i]; returns each session's output
-    (rows_i, 1, hidden) after blocks [start, end), as if it had run alone, and appends its token to its own cache."""
+    (rows_i, 1, hidden) after blocks [start, end), as if it had run alone, and appends its token to its own cache.
+    All sessions use the same LoRA adapter (None: the base model)."""
+    span.use_adapter(adapter)
     rows = [h.shape[0] for h in hidden]
     lengths = [cache.get_seq_length(start) for cache in caches]
     longest = max(lengths)

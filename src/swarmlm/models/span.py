@@ -30,6 +30,8 @@ class SpanModel(nn.Module):
         self.layers = nn.ModuleList(self.family.block_class(config, layer_idx=i) for i in range(start, end))
         self.rotary = self.family.rotary_class(config)
         self.layer_kinds = self.family.layer_kinds(config)  # by global layer index: which mask and rotary each gets
+        self.adapters: tuple[str, ...] = ()  # LoRA adapters loaded into the blocks (models/adapters.py)
+        self.active_adapter: str | None = None  # the one the blocks apply now (None: the base model)
 
     @classmethod
     def from_dir(
@@ -71,6 +73,7 @@ class SpanModel(nn.Module):
         position_ids: torch.Tensor | None = None,
         cache: Cache | None = None,
         prompts: torch.Tensor | None = None,
+        adapter: str | None = None,
     ) -> torch.Tensor:
         """Run blocks [start, end) (default: the whole span) over hidden (batch, seq, hidden).
 
@@ -78,8 +81,9 @@ class SpanModel(nn.Module):
         position_ids default to past + arange(seq), like the local model. prompts (end - start, prefix, hidden) or
         (end - start, batch, prefix, hidden), if given, are deep prompts: prompts[i] is added to the first `prefix`
         positions of block start+i's input (with a cache, to those of this call's tokens whose positions past + j
-        fall inside the prefix).
+        fall inside the prefix). adapter names a loaded LoRA adapter to apply (None: the base model).
         """
+        self.use_adapter(adapter)
         start = self.start if start is None else start
         end = self.end if end is None else end
         past = cache.get_seq_length(start) if cache is not None else 0
@@ -109,6 +113,14 @@ class SpanModel(nn.Module):
                 position_embeddings=rotaries[kinds[index]],
             )
         return hidden
+
+
+    def use_adapter(self, adapter: str | None) -> None:
+        """Apply `adapter` (None: none) in the computations that follow."""
+        if adapter != self.active_adapter:
+            from swarmlm.models.adapters import select_adapter
+
+            select_adapter(self, adapter)
 
 
 def add_prompt(hidden: torch.Tensor, prompt: torch.Tensor, past: int = 0) -> torch.Tensor:

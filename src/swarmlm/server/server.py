@@ -17,6 +17,7 @@ from hivemind.utils import get_dht_time
 from swarmlm import __version__
 from swarmlm.config import ServerConfig
 from swarmlm.errors import SwarmError
+from swarmlm.models.adapters import adapter_name, load_adapters
 from swarmlm.models.fingerprint import model_fingerprint
 from swarmlm.models.loading import load_config, resolve_model
 from swarmlm.models.naming import default_dht_prefix
@@ -58,6 +59,7 @@ class Server:
         # clients use only servers of the very model they loaded: announced in every record
         self.fingerprint = model_fingerprint(self.model_dir)
         self.start, self.end = requested_span(config, self.num_blocks_total)
+        self.adapters = tuple(adapter_name(path) for path in config.adapters)  # checked before anything loads
         self.since = 0.0  # DHT time this span was claimed (set when announced)
         request_bytes = max_message_bytes(config.max_tokens_per_request, model_config.hidden_size)
         self.peer_memory_bytes = int(config.peer_memory_mb * 1e6) if config.peer_memory_mb else 4 * request_bytes
@@ -90,6 +92,8 @@ class Server:
         cfg = self.config
         logger.info("Loading blocks %d:%d of %s", start, end, self.model_dir)
         span = SpanModel.from_dir(self.model_dir, start, end, DTYPES[cfg.dtype], cfg.device)
+        if cfg.adapters:
+            load_adapters(span, cfg.adapters)
         backend = SpanBackend(span, DTYPES[cfg.dtype], cfg.device, cfg.max_tokens_per_request)
         self.throughput = backend.measure_throughput()
         self.inference_throughput = backend.measure_inference_throughput()
@@ -111,6 +115,7 @@ class Server:
             inference_throughput=self.inference_throughput,
             since=self.since,
             sessions_open=0 if self.inference is None else self.inference.open_sessions,
+            adapters=self.adapters,
         )
 
     async def _announce(self, state: ServerState) -> ServerRecord:
@@ -149,6 +154,7 @@ class Server:
             sessions_open=0 if self.inference is None else self.inference.open_sessions,
             throughput=self.throughput,
             inference_throughput=self.inference_throughput,
+            adapters=self.adapters,
         )
 
     async def _serve(self) -> None:
