@@ -13,6 +13,7 @@ import torch
 from swarmlm.errors import MissingBlocksError
 from swarmlm.local_swarm import LocalSwarm
 from tests.conftest import LOGITS_ATOL, connected_model, load_reference
+from tests.integration.test_backward_tiny import assert_close, gradients
 from tests.tiny_families import build_adapter, build_tiny, load_peft_reference
 
 NEW_TOKENS = 8
@@ -78,6 +79,21 @@ def test_greedy_generation_with_an_adapter_equals_local_peft(folders, swarm) -> 
     with connected_model(folders["model"], swarm, active_adapter="some-blocks") as model:
         output = model.generate(inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
     assert output.tolist() == expected.tolist()
+
+
+def test_deep_prompt_gradients_through_an_adapter_equal_local_peft(folders, swarm) -> None:
+    # the causal LM inside the PEFT model: its blocks carry the adapter, as the servers' do
+    reference = load_peft_reference(folders["model"], folders["everywhere"]).base_model.model.requires_grad_(False)
+    inputs = ids(4)
+    weights = torch.randn(2, 7, 128, generator=torch.Generator().manual_seed(5))
+    options = dict(active_adapter="everywhere", tuning_mode="deep_ptune", pre_seq_len=2)
+    with connected_model(folders["model"], swarm, **options) as tuned:
+        torch.manual_seed(0)
+        with torch.no_grad():
+            tuned.prompt_tuning.deep_prompts.normal_(std=0.5)
+        remote, local = gradients(tuned, reference, inputs, weights)
+    for actual, expected in zip(remote, local, strict=True):
+        assert_close(actual, expected)
 
 
 def test_a_client_without_adapter_gets_the_base_model_from_servers_with_adapters(folders, swarm) -> None:
