@@ -100,6 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--record-ttl", type=float, default=ServerConfig.record_ttl_s,
                        help="seconds a record lives unrefreshed (a crashed server is forgotten then)")  # fmt: skip
     serve.add_argument(
+        "--quant", choices=["int8"], default=None,
+        help="store the blocks' Linear weights as int8 (~4x less memory; announced as dtype int8, which clients "
+        "accept only when their accepted_dtypes include it)",
+    )  # fmt: skip
+    serve.add_argument(
         "--adapters", nargs="+", default=[], metavar="PATH",
         help="PEFT LoRA adapter folders for the served blocks; clients name one by its folder name",
     )  # fmt: skip
@@ -180,6 +185,7 @@ def _serve(args: argparse.Namespace) -> None:
         announce_interval_s=args.announce_interval,
         record_ttl_s=args.record_ttl,
         adapters=tuple(args.adapters),
+        quant=args.quant,
     )
     Server(config).run()
 
