@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -105,6 +106,16 @@ class ModelFamily:
 
 
 _FAMILIES: dict[str, ModelFamily] = {}
+# the built-in families' files by model_type, imported on first use: each imports its transformers modeling module
+_BUILT_IN = {
+    "llama": "llama",
+    "mistral": "mistral",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma3_text": "gemma3",
+    "phi3": "phi3",
+    "mixtral": "mixtral",
+}
 
 
 def register_family(family: ModelFamily) -> ModelFamily:
@@ -114,11 +125,11 @@ def register_family(family: ModelFamily) -> ModelFamily:
 
 def get_family(config: PretrainedConfig) -> ModelFamily:
     """The family of a config; a clear error lists what is supported."""
-    from swarmlm.models import families  # noqa: F401  (registers the built-in families)
-
-    family = _FAMILIES.get(config.model_type)
+    model_type = config.model_type
+    if model_type not in _FAMILIES and model_type in _BUILT_IN:
+        importlib.import_module(f"swarmlm.models.{_BUILT_IN[model_type]}")  # registers itself
+    family = _FAMILIES.get(model_type)
     if family is None:
-        raise ModelLoadError(
-            f"model_type {config.model_type!r} is not supported yet; supported: {', '.join(sorted(_FAMILIES))}"
-        )
+        supported = ", ".join(sorted({*_FAMILIES, *_BUILT_IN}))
+        raise ModelLoadError(f"model_type {model_type!r} is not supported yet; supported: {supported}")
     return family
