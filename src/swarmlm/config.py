@@ -36,6 +36,8 @@ class ServerConfig:
     drain_timeout_s: float = 30.0  # on leaving (or moving), open inference sessions may finish for this long
     rebalance_interval_s: float = 60.0  # how often a num_blocks server checks whether to move (0: never)
     balance_quality: float = 0.75  # move when the swarm's bottleneck < quality * its bottleneck after the move
+    quant: str | None = None  # "int8": blocks' Linear weights stored as int8 (announced as dtype "int8")
+    adapters: tuple[str, ...] = ()  # folders of PEFT LoRA adapters for the served blocks, named by folder name
     max_frame_mb: float = 4.0  # largest frame (protobuf part) a peer may send, in MB (ours carry <= 1 MiB of tensors)
     swarm_key: bytes | None = None  # secret of a private swarm (swarm/private.py); None: an open swarm
 
@@ -57,6 +59,7 @@ class ClientConfig:
     accepted_dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")  # compute dtypes of servers to use
     route_tie_tolerance: float = 0.05  # routes within this fraction of the cheapest are drawn at random (spreads load)
     route_stickiness: float = 0.2  # the servers used last keep their blocks until another is this fraction cheaper
+    active_adapter: str | None = None  # LoRA adapter (folder name on the servers) every block runs with; None: none
     sticky_route_s: float = 60.0  # how long the servers used last stay preferred after their last use
     use_push: bool = True  # inference steps travel server to server (each pushes to the next), not via the client
     verify_probability: float = 0.05  # chance that a span's result is re-run on independent servers and compared

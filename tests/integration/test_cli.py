@@ -58,3 +58,13 @@ def test_bad_arguments_get_clear_errors(tiny_model_dir: Path) -> None:
     assert result.returncode == 2 and "START:END" in result.stderr
     result = run_cli("serve", "/no/such/model", "--blocks", "0:1", "--new-swarm")
     assert result.returncode == 2 and "/no/such/model" in result.stderr
+
+
+def test_bad_adapters_and_quantization_get_clear_errors(tiny_model_dir: Path, tmp_path: Path) -> None:
+    missing = tmp_path / "no-adapter"
+    missing.mkdir()
+    result = run_cli("serve", str(tiny_model_dir), "--blocks", "0:2", "--new-swarm", "--adapters", str(missing))
+    assert result.returncode == 2 and "adapter_config.json" in result.stderr
+    result = run_cli("serve", str(tiny_model_dir), "--blocks", "0:2", "--new-swarm", "--quant", "int8",
+                     "--adapters", str(missing))  # fmt: skip
+    assert result.returncode == 2 and "cannot be combined" in result.stderr

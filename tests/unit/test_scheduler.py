@@ -72,6 +72,19 @@ def test_decode_steps_over_the_same_blocks_form_one_batch() -> None:
     assert seqs(next_batch(queue, LIMITS, {})) == [1, 4]
 
 
+def test_only_steps_with_the_same_adapter_share_a_forward() -> None:
+    with_adapter = DecodeStep(0, 5, torch.zeros(1, 1, 8), DynamicCache(), "sql")
+    other_adapter = DecodeStep(0, 5, torch.zeros(1, 1, 8), DynamicCache(), "chat")
+    queue = [
+        task(Kind.INFERENCE, "a", 1, decode()),
+        task(Kind.INFERENCE, "b", 2, with_adapter),
+        task(Kind.INFERENCE, "c", 3, decode()),
+        task(Kind.INFERENCE, "d", 4, other_adapter),
+    ]
+    assert seqs(next_batch(queue, LIMITS, {})) == [1, 3]
+    assert seqs(next_batch(queue[1:], LIMITS, {})) == [2]
+
+
 def test_a_lone_step_heads_its_own_batch() -> None:
     queue = [task(Kind.INFERENCE, "c", 1), task(Kind.INFERENCE, "d", 2, decode())]
     assert seqs(next_batch(queue, LIMITS, {})) == [1]

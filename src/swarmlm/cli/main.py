@@ -102,6 +102,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds between refreshes of the DHT record")  # fmt: skip
     serve.add_argument("--record-ttl", type=float, default=ServerConfig.record_ttl_s,
                        help="seconds a record lives unrefreshed (a crashed server is forgotten then)")  # fmt: skip
+    serve.add_argument(
+        "--quant", choices=["int8"], default=None,
+        help="store the blocks' Linear weights as int8 (~4x less memory; announced as dtype int8, which clients "
+        "accept only when their accepted_dtypes include it)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--adapters", nargs="+", default=[], metavar="PATH",
+        help="PEFT LoRA adapter folders for the served blocks; clients name one by its folder name",
+    )  # fmt: skip
     serve.add_argument("--max-frame-mb", type=float, default=ServerConfig.max_frame_mb, help="largest frame accepted")
 
     dht = sub.add_parser("dht", help="run a bootstrap-only DHT node that others join")
@@ -181,6 +190,8 @@ def _serve(args: argparse.Namespace) -> None:
         announce_interval_s=args.announce_interval,
         record_ttl_s=args.record_ttl,
         swarm_key=_swarm_key(args),
+        adapters=tuple(args.adapters),
+        quant=args.quant,
     )
     Server(config).run()
 

@@ -100,7 +100,9 @@ async def _call(
     """The span-call helper of both directions: forward when grad is None, else backward."""
     bundle = args.for_span(span, hidden, grad)
     request_type = ForwardRequest if grad is None else BackwardRequest
-    header = request_type(start_block=span.start, end_block=span.end, tensors=bundle.names())
+    header = request_type(
+        start_block=span.start, end_block=span.end, tensors=bundle.names(), adapter=manager.config.active_adapter
+    )
     # the reply: hidden states (or their gradient) like the input, and in backward the prompts' gradient
     expected = [Expected.like(hidden)]
     if grad is not None and bundle.prompts is not None:

@@ -229,4 +229,5 @@ class RemoteGenerationMixin(_ModelBase):
         hidden = self.get_submodule(self.family.norm_name)(hidden.to(embeds.dtype))
         if tuning is not None and fresh:
             hidden = hidden[:, tuning.pre_seq_len :]
-        return CausalLMOutputWithPast(logits=self.get_submodule(self.family.head_name)(hidden))
+        logits = self.family.final_logits(self.config, self.get_submodule(self.family.head_name)(hidden))
+        return CausalLMOutputWithPast(logits=logits)

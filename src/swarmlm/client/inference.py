@@ -95,8 +95,8 @@ class _SpanSession:
     async def open(self, batch_size: int, max_length: int) -> None:
         header = InferenceOpen(
             start_block=self.span.start, end_block=self.span.end, batch_size=batch_size, max_length=max_length,
-            session_id=self.session_id,
-        )
+            session_id=self.session_id, adapter=self.stream.manager.config.active_adapter,
+        )  # fmt: skip
         await self.stream.exchange(header, [])
 
     async def send(

@@ -109,6 +109,11 @@ class DistributedCausalLMMixin(RemoteGenerationMixin):
         # the rotary embedding runs on the servers; rebuild it off the meta device so .to() works
         self.model.rotary_emb = self.family.rotary_class(self.config)
         self.model.layers = torch.nn.ModuleList()  # the meta-device blocks are never used
+        self.family.client_buffers(self)
+        left = [name for name, tensor in self.state_dict(keep_vars=True).items() if tensor.is_meta]
+        left += [name for name, buffer in self.named_buffers() if buffer.is_meta]
+        if left:
+            raise ModelLoadError(f"{model_dir}: the client's parts lack {sorted(set(left))[:5]}")
         self.requires_grad_(False)
         self.eval()
 
@@ -146,7 +151,7 @@ class DistributedCausalLMMixin(RemoteGenerationMixin):
         if tuning is not None:
             hidden = hidden[:, tuning.pre_seq_len :]  # logits and labels align with the caller's tokens
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = self.get_submodule(self.family.head_name)(hidden[:, keep, :])
+        logits = self.family.final_logits(self.config, self.get_submodule(self.family.head_name)(hidden[:, keep, :]))
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)

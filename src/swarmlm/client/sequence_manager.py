@@ -62,7 +62,10 @@ class SequenceManager:
         self.dht: ParentBoundDHT | None = None
         self.p2p: P2P | None = None
         self.view = SwarmView(
-            ServerFilter.of(fingerprint, config.accepted_dtypes, config.allowed_servers, config.blocked_servers)
+            ServerFilter.of(
+                fingerprint, config.accepted_dtypes, config.allowed_servers, config.blocked_servers,
+                adapter=config.active_adapter,
+            )  # fmt: skip
         )
         self.health = Health(config.ban_base_s, config.ban_max_s)
         self.verifier = Verifier(config.verify_probability, config.verify_first_requests)

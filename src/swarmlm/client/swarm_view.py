@@ -36,6 +36,7 @@ class ServerFilter:
     allowed: frozenset[str] | None = None  # only these peer ids (None: any)
     blocked: frozenset[str] = frozenset()  # never these peer ids
     protocol_version: int = PROTOCOL_VERSION  # the wire protocol this client speaks
+    adapter: str | None = None  # a LoRA adapter the server must serve (None: any server)
 
     @classmethod
     def of(
@@ -44,12 +45,14 @@ class ServerFilter:
         accepted_dtypes: Iterable[str],
         allowed: Iterable[str] | None = None,
         blocked: Iterable[str] = (),
+        adapter: str | None = None,
     ) -> ServerFilter:
         return cls(
             fingerprint,
             frozenset(accepted_dtypes),
             None if allowed is None else frozenset(allowed),
             frozenset(blocked),
+            adapter=adapter,
         )
 
     def rejection(self, peer_id: str, record: ServerRecord) -> str | None:
@@ -64,6 +67,8 @@ class ServerFilter:
             return f"it serves another model (fingerprint {record.fingerprint[:12] or 'none'!r})"
         if record.dtype not in self.accepted_dtypes:
             return f"its dtype {record.dtype!r} is not accepted"
+        if self.adapter is not None and self.adapter not in record.adapters:
+            return f"it does not serve the adapter {self.adapter!r}"
         return None
 
 

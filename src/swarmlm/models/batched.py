@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812 - the usual name
 from transformers.cache_utils import DynamicCache
 
+from swarmlm.models.registry import SLIDING_ATTENTION
 from swarmlm.models.span import SpanModel
 
 
@@ -43,10 +44,13 @@ class StackedCaches:
 
 
 def decode_batched(
-    span: SpanModel, hidden: Sequence[torch.Tensor], caches: Sequence[DynamicCache], start: int, end: int
-) -> list[torch.Tensor]:
+    span: SpanModel, hidden: Sequence[torch.Tensor], caches: Sequence[DynamicCache], start: int, end: int,
+    adapter: str | None = None,
+) -> list[torch.Tensor]:  # fmt: skip
     """hidden[i] (rows_i, 1, hidden) is one new token of the session owning caches[i]; returns each session's output
-    (rows_i, 1, hidden) after blocks [start, end), as if it had run alone, and appends its token to its own cache."""
+    (rows_i, 1, hidden) after blocks [start, end), as if it had run alone, and appends its token to its own cache.
+    All sessions use the same LoRA adapter (None: the base model)."""
+    span.use_adapter(adapter)
     rows = [h.shape[0] for h in hidden]
     lengths = [cache.get_seq_length(start) for cache in caches]
     longest = max(lengths)
@@ -54,20 +58,28 @@ def decode_batched(
     row_lengths = torch.tensor([n for n, r in zip(lengths, rows, strict=True) for _ in range(r)], device=states.device)
     # each row continues at its own position
     position_ids = row_lengths.unsqueeze(1)  # (sum rows, 1)
-    # additive mask (sum rows, 1, 1, longest + 1): a row's first longest - length columns are padding
+    # (sum rows, longest + 1): a row's first longest - length columns are padding
     columns = torch.arange(longest + 1, device=states.device)
-    padding = columns.unsqueeze(0) < (longest - row_lengths).unsqueeze(1)
-    mask = torch.zeros(padding.shape, dtype=states.dtype, device=states.device)
-    mask = mask.masked_fill(padding, torch.finfo(states.dtype).min)[:, None, None, :]
+    hidden_columns = columns.unsqueeze(0) < (longest - row_lengths).unsqueeze(1)
+    kinds = span.layer_kinds[start:end]
+    masks, rotaries = {}, {}
+    for kind in dict.fromkeys(kinds):
+        masked = hidden_columns
+        if kind == SLIDING_ATTENTION:
+            # the new token sees only the last `window` positions, itself included; every row's new token sits in
+            # the last column, so the window is the same columns for all rows
+            masked = masked | (columns < longest + 1 - span.config.sliding_window).unsqueeze(0)
+        mask = torch.zeros(masked.shape, dtype=states.dtype, device=states.device)
+        masks[kind] = mask.masked_fill(masked, torch.finfo(states.dtype).min)[:, None, None, :]
+        rotaries[kind] = span.family.position_embeddings(span.rotary, states, position_ids, kind)
     stacked = StackedCaches(caches, rows, lengths)
-    position_embeddings = span.rotary(states, position_ids)
-    for layer in span.layers[start - span.start : end - span.start]:
+    for layer, kind in zip(span.layers[start - span.start : end - span.start], kinds, strict=True):
         states = layer(
             states,
-            attention_mask=mask,
+            attention_mask=masks[kind],
             position_ids=position_ids,
             cache=stacked,
             use_cache=True,
-            position_embeddings=position_embeddings,
+            position_embeddings=rotaries[kind],
         )
     return list(torch.split(states, rows))

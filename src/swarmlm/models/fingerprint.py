@@ -38,6 +38,19 @@ ARCHITECTURE_FIELDS = (
     "sliding_window",
     "tie_word_embeddings",
 )
+# fields of other families that change what their blocks compute; hashed only when config.json has them, so that
+# the fingerprints of models without them stay what they were
+FAMILY_FIELDS = (
+    "layer_types",
+    "use_sliding_window",
+    "max_window_layers",
+    "partial_rotary_factor",
+    "query_pre_attn_scalar",
+    "attn_logit_softcapping",
+    "final_logit_softcapping",
+    "num_local_experts",
+    "num_experts_per_tok",
+)
 # bytes read at the start, middle and end of each tensor: enough to tell apart any two trained or random checkpoints
 SAMPLE_BYTES = 64
 # hex digits kept: 128 bits, collision-free for any realistic number of models
@@ -65,7 +78,9 @@ def _architecture(model_dir: Path) -> dict[str, Any]:
         config = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"Cannot read {model_dir / 'config.json'}: {e}") from e
-    return {key: config.get(key) for key in ARCHITECTURE_FIELDS}
+    fields = {key: config.get(key) for key in ARCHITECTURE_FIELDS}
+    fields.update({key: config[key] for key in FAMILY_FIELDS if key in config})
+    return fields
 
 
 def _weight_files(model_dir: Path) -> list[Path]:

@@ -86,7 +86,11 @@ def load_config(model_dir: Path) -> transformers.PretrainedConfig:
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(str(model_dir), attn_implementation="sdpa", local_files_only=True)
+        # mixture-of-experts blocks built from a bare config have no experts implementation either: the sequential
+        # one runs everywhere (a no-op for dense families)
+        config = AutoConfig.from_pretrained(
+            str(model_dir), attn_implementation="sdpa", experts_implementation="eager", local_files_only=True
+        )
     except (OSError, ValueError, KeyError) as e:
         raise ModelLoadError(f"Cannot read the model config in {model_dir}: {e}") from e
     if config._attn_implementation != "sdpa":

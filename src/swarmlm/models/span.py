@@ -7,11 +7,14 @@ from pathlib import Path
 import torch
 from torch import nn
 from transformers import Cache, PretrainedConfig
-from transformers.masking_utils import create_causal_mask
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from swarmlm.errors import ModelLoadError
 from swarmlm.models.loading import load_config, load_tensors
-from swarmlm.models.registry import ModelFamily, get_family
+from swarmlm.models.registry import FULL_ATTENTION, SLIDING_ATTENTION, ModelFamily, get_family
+
+# how Hugging Face builds the mask of each attention kind (a sliding window reads config.sliding_window)
+_MASK_BUILDERS = {FULL_ATTENTION: create_causal_mask, SLIDING_ATTENTION: create_sliding_window_causal_mask}
 
 
 class SpanModel(nn.Module):
@@ -26,6 +29,9 @@ class SpanModel(nn.Module):
         # layers keep their global index: caches and masks are addressed by it
         self.layers = nn.ModuleList(self.family.block_class(config, layer_idx=i) for i in range(start, end))
         self.rotary = self.family.rotary_class(config)
+        self.layer_kinds = self.family.layer_kinds(config)  # by global layer index: which mask and rotary each gets
+        self.adapters: tuple[str, ...] = ()  # LoRA adapters loaded into the blocks (models/adapters.py)
+        self.active_adapter: str | None = None  # the one the blocks apply now (None: the base model)
 
     @classmethod
     def from_dir(
@@ -37,10 +43,15 @@ class SpanModel(nn.Module):
             span = cls(config, start, end)
         prefixes = [span.family.block_tensor_prefix(i) for i in range(start, end)]
         tensors = load_tensors(model_dir, prefixes, dtype=dtype)
-        state = {}
+        by_block: dict[int, dict[str, torch.Tensor]] = {}
         for name, tensor in tensors.items():
-            index, rest = name[len(span.family.block_prefix) :].split(".", 1)
-            state[f"layers.{int(index) - start}.{rest}"] = tensor
+            number, rest = name[len(span.family.block_prefix) :].split(".", 1)
+            by_block.setdefault(int(number) - start, {})[rest] = tensor
+        state = {}
+        for index, block_tensors in by_block.items():
+            # the family maps the block's stored layout to its module's (e.g. Mixtral's experts, fused on load)
+            for rest, tensor in span.family.block_state(config, block_tensors).items():
+                state[f"layers.{index}.{rest}"] = tensor
         missing, unexpected = span.load_state_dict(state, strict=False, assign=True)
         if missing or unexpected:
             raise ModelLoadError(
@@ -62,6 +73,7 @@ class SpanModel(nn.Module):
         position_ids: torch.Tensor | None = None,
         cache: Cache | None = None,
         prompts: torch.Tensor | None = None,
+        adapter: str | None = None,
     ) -> torch.Tensor:
         """Run blocks [start, end) (default: the whole span) over hidden (batch, seq, hidden).
 
@@ -69,34 +81,46 @@ class SpanModel(nn.Module):
         position_ids default to past + arange(seq), like the local model. prompts (end - start, prefix, hidden) or
         (end - start, batch, prefix, hidden), if given, are deep prompts: prompts[i] is added to the first `prefix`
         positions of block start+i's input (with a cache, to those of this call's tokens whose positions past + j
-        fall inside the prefix).
+        fall inside the prefix). adapter names a loaded LoRA adapter to apply (None: the base model).
         """
+        self.use_adapter(adapter)
         start = self.start if start is None else start
         end = self.end if end is None else end
         past = cache.get_seq_length(start) if cache is not None else 0
         if position_ids is None:
             position_ids = (torch.arange(hidden.shape[1], device=hidden.device) + past).unsqueeze(0)
-        mask = create_causal_mask(
-            config=self.config,
-            inputs_embeds=hidden,
-            attention_mask=attention_mask,
-            cache=cache,
-            position_ids=position_ids,
-            layer_idx=start,
-        )
-        position_embeddings = self.rotary(hidden, position_ids)
+        kinds = self.layer_kinds[start:end]
+        masks, rotaries = {}, {}
+        for kind in dict.fromkeys(kinds):  # each kind once, in order
+            masks[kind] = _MASK_BUILDERS[kind](
+                config=self.config,
+                inputs_embeds=hidden,
+                attention_mask=attention_mask,
+                cache=cache,
+                position_ids=position_ids,
+                layer_idx=start + kinds.index(kind),
+            )
+            rotaries[kind] = self.family.position_embeddings(self.rotary, hidden, position_ids, kind)
         for index, layer in enumerate(self.layers[start - self.start : end - self.start]):
             if prompts is not None:
                 hidden = add_prompt(hidden, prompts[index], past)
             hidden = layer(
                 hidden,
-                attention_mask=mask,
+                attention_mask=masks[kinds[index]],
                 position_ids=position_ids,
                 cache=cache,
                 use_cache=cache is not None,
-                position_embeddings=position_embeddings,
+                position_embeddings=rotaries[kinds[index]],
             )
         return hidden
+
+
+    def use_adapter(self, adapter: str | None) -> None:
+        """Apply `adapter` (None: none) in the computations that follow."""
+        if adapter != self.active_adapter:
+            from swarmlm.models.adapters import select_adapter
+
+            select_adapter(self, adapter)
 
 
 def add_prompt(hidden: torch.Tensor, prompt: torch.Tensor, past: int = 0) -> torch.Tensor:

@@ -11,6 +11,8 @@ from swarmlm.protocol.bundle import TensorName, check_names
 
 # Bumped on any incompatible change of a header or of the tensors that follow it.
 PROTOCOL_VERSION = 3
+# a LoRA adapter's name in requests and records (models/adapters.py names adapters by their folder)
+ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 
 
 class _Header(BaseModel):
@@ -56,6 +58,7 @@ class ForwardRequest(_TensorsHeader):
     kind: Literal["forward"] = "forward"
     start_block: int = Field(ge=0)
     end_block: int = Field(ge=1)
+    adapter: str | None = Field(default=None, pattern=ADAPTER_NAME_PATTERN)  # a LoRA adapter served here (None: none)
 
 
 class BackwardRequest(ForwardRequest):
@@ -97,6 +100,7 @@ class InferenceOpen(_Header):
     batch_size: int = Field(ge=1)
     max_length: int = Field(ge=1)  # tokens the session may hold, past and new together
     session_id: str | None = Field(default=None, pattern=SESSION_ID_PATTERN)  # set: other servers may push steps
+    adapter: str | None = Field(default=None, pattern=ADAPTER_NAME_PATTERN)  # every step runs with this LoRA adapter
 
 
 class InferenceStep(_TensorsHeader):
@@ -197,3 +201,4 @@ class ServerInfo(_Header):
     throughput: float  # forward tokens/s through one block, measured at start-up
     inference_throughput: float  # one-token decode steps/s through one block, measured at start-up
     pushes_received: int = 0  # inference steps other servers pushed here (server-to-server push)
+    adapters: tuple[str, ...] = Field(default=(), strict=False)  # LoRA adapters requests may name (a list on the wire)

@@ -37,26 +37,28 @@ class SpanBackend:
             hidden_size=config.hidden_size,
             max_tokens=max_tokens,
             max_position=config.max_position_embeddings,
+            adapters=span.adapters,
         )
         # a single worker thread is the queue: weights are never used by two computations at once
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="span-compute")
         self.scheduler = Scheduler(self._executor, self._decode_batch, batch_limits or BatchLimits())
 
     async def run(
-        self, start: int, end: int, inputs: SpanTensors, peer: str = ""
+        self, start: int, end: int, inputs: SpanTensors, peer: str = "", adapter: str | None = None
     ) -> tuple[list[torch.Tensor], float]:
         """Forward: [hidden states after blocks [start, end)]; backward (inputs.grad_outputs given): [grad wrt
-        hidden states, (grad wrt prompts)]. Tensors come back in the sender's dtypes, with the compute time in ms."""
+        hidden states, (grad wrt prompts)]. Tensors come back in the sender's dtypes, with the compute time in ms.
+        adapter: the LoRA adapter to apply (None: the base model)."""
         kind = Kind.FORWARD if inputs.grad_outputs is None else Kind.BACKWARD
         # a block at a time: the scheduler runs waiting inference steps between blocks of a long request
         result: tuple[list[torch.Tensor], float] = await self.scheduler.submit(
-            kind, peer, functools.partial(self._run_by_block, start, end, inputs)
+            kind, peer, functools.partial(self._run_by_block, start, end, inputs, adapter)
         )
         return result
 
     def _run(self, start: int, end: int, inputs: SpanTensors) -> tuple[list[torch.Tensor], float]:
-        """_run_by_block in one go."""
-        quanta = self._run_by_block(start, end, inputs)
+        """_run_by_block in one go, without adapter."""
+        quanta = self._run_by_block(start, end, inputs, None)
         while True:
             try:
                 next(quanta)
@@ -65,7 +67,7 @@ class SpanBackend:
                 return result
 
     def _run_by_block(
-        self, start: int, end: int, inputs: SpanTensors
+        self, start: int, end: int, inputs: SpanTensors, adapter: str | None
     ) -> Generator[None, None, tuple[list[torch.Tensor], float]]:
         """The one computation of a span, yielding after each block: its forward, then, when grad_outputs are
         given, the backward block by block in reverse (each block's graph is cut from the next one's, so a block's
@@ -85,9 +87,10 @@ class SpanBackend:
                 prompt = None if prompts is None else prompts[block - start : block - start + 1]
                 if prompt is not None and backward:
                     prompt = prompt.detach().requires_grad_()
+                # the adapter is chosen again at every block: other work, maybe with another one, runs in between
                 hidden = self.span(
                     block_input, start=block, end=block + 1, attention_mask=mask, position_ids=positions,
-                    prompts=prompt,
+                    prompts=prompt, adapter=adapter,
                 )  # fmt: skip
                 if backward:
                     saved.append((block_input, prompt, hidden))
@@ -114,14 +117,14 @@ class SpanBackend:
 
     async def step(
         self, cache: DynamicCache, start: int, end: int, inputs: SpanTensors, chunk_tokens: int,
-        start_from: int | None = None, peer: str = "",
+        start_from: int | None = None, peer: str = "", adapter: str | None = None,
     ) -> tuple[list[torch.Tensor], float]:
         """One inference step of a session owning `cache`: [hidden states of the new tokens], compute time in ms.
 
         With start_from, the cache is first cut back to that many tokens (validated: not more than it holds)."""
-        run = functools.partial(self._step, cache, start, end, inputs, chunk_tokens, start_from)
+        run = functools.partial(self._step, cache, start, end, inputs, chunk_tokens, start_from, adapter)
         plain = _plain_decode(cache, start, inputs, start_from)
-        decode = DecodeStep(start, end, inputs.hidden, cache) if plain else None
+        decode = DecodeStep(start, end, inputs.hidden, cache, adapter) if plain else None
         result: tuple[list[torch.Tensor], float] = await self.scheduler.submit(Kind.INFERENCE, peer, run, decode)
         return result
 
@@ -131,7 +134,9 @@ class SpanBackend:
         start, end = steps[0].start, steps[0].end
         with torch.inference_mode():
             hidden = [step.hidden.to(self.device, self.dtype) for step in steps]
-            outputs = decode_batched(self.span, hidden, [step.cache for step in steps], start, end)
+            # the scheduler batches only steps with the same adapter
+            caches = [step.cache for step in steps]
+            outputs = decode_batched(self.span, hidden, caches, start, end, steps[0].adapter)
             results = [out.to("cpu", step.hidden.dtype) for out, step in zip(outputs, steps, strict=True)]
         compute_ms = (time.perf_counter() - began) * 1000
         logger.info("inference batch sessions=%d blocks=%d:%d rows=%d %.1f ms", len(steps), start, end,
@@ -140,7 +145,7 @@ class SpanBackend:
 
     def _step(
         self, cache: DynamicCache, start: int, end: int, inputs: SpanTensors, chunk_tokens: int,
-        start_from: int | None,
+        start_from: int | None, adapter: str | None = None,
     ) -> tuple[list[torch.Tensor], float]:
         began = time.perf_counter()
         with torch.inference_mode():
@@ -161,7 +166,7 @@ class SpanBackend:
                 mask = None if inputs.attention_mask is None else inputs.attention_mask[:, : past + stop]
                 positions = None if inputs.position_ids is None else inputs.position_ids[:, begin:stop]
                 out = self.span(
-                    hidden[:, begin:stop], start=start, end=end, cache=cache, prompts=prompts,
+                    hidden[:, begin:stop], start=start, end=end, cache=cache, prompts=prompts, adapter=adapter,
                     attention_mask=None if mask is None else mask.to(self.device),
                     position_ids=None if positions is None else positions.to(self.device),
                 )  # fmt: skip

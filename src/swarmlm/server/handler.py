@@ -102,7 +102,9 @@ class SpanHandler:
             inputs = check_span_request(header, tensors, self.backend.limits)
             self.in_flight += 1
             try:
-                outputs, compute_ms = await self.backend.run(header.start_block, header.end_block, inputs, peer)
+                outputs, compute_ms = await self.backend.run(
+                    header.start_block, header.end_block, inputs, peer, header.adapter
+                )
             finally:
                 self.in_flight -= 1
             reply = ReplyHeader(ok=True, compute_ms=compute_ms)

@@ -192,7 +192,7 @@ class InferenceSessions:
             try:
                 outputs, compute_ms = await self.backend.step(
                     cache, session.start_block, session.end_block, inputs, self.chunk_tokens,
-                    header.start_from_position, peer=peer,
+                    header.start_from_position, peer=peer, adapter=session.adapter,
                 )
             except Exception as e:  # noqa: BLE001 - a failed step is answered; it never kills the stream raw
                 intact = inputs.hypo_ids is None and _lengths(cache, session) == before

@@ -36,6 +36,7 @@ class DecodeStep:
     end: int
     hidden: torch.Tensor  # (rows, 1, hidden), as received
     cache: DynamicCache  # the session's own cache, which the step extends by one token
+    adapter: str | None = None  # the session's LoRA adapter: only steps with the same one share a forward
 
     @property
     def rows(self) -> int:
@@ -66,7 +67,8 @@ class BatchLimits:
 def next_batch(queue: Sequence[Task], limits: BatchLimits, last_served: Mapping[str, int]) -> list[Task]:
     """The tasks to run next: from the most urgent class present, the waiting task of the peer served least
     recently (round robin between peers; arrival order breaks ties), joined, if it is a decode step, by the other
-    decode steps over the same blocks, peers in the same order, within `limits`. Empty only for an empty queue."""
+    decode steps over the same blocks with the same adapter, peers in the same order, within `limits`. Empty only
+    for an empty queue."""
     if not queue:
         return []
     kind = min(task.kind for task in queue)
@@ -79,7 +81,7 @@ def next_batch(queue: Sequence[Task], limits: BatchLimits, last_served: Mapping[
         step = task.decode
         if len(batch) >= limits.max_sessions:
             break
-        if step is None or (step.start, step.end) != (head.decode.start, head.decode.end):
+        if step is None or not _same_forward(step, head.decode):
             continue
         if rows + step.rows > limits.max_rows or id(step.cache) in caches:
             continue
@@ -87,6 +89,11 @@ def next_batch(queue: Sequence[Task], limits: BatchLimits, last_served: Mapping[
         rows += step.rows
         caches.add(id(step.cache))
     return batch
+
+
+def _same_forward(step: DecodeStep, head: DecodeStep) -> bool:
+    """Steps run as one forward only over the same blocks with the same LoRA adapter."""
+    return (step.start, step.end, step.adapter) == (head.start, head.end, head.adapter)
 
 
 # what _advance returns when a long task has run one quantum and has more to run

@@ -17,9 +17,11 @@ from hivemind.utils import get_dht_time
 from swarmlm import __version__
 from swarmlm.config import ServerConfig
 from swarmlm.errors import SwarmError
+from swarmlm.models.adapters import adapter_name, load_adapters
 from swarmlm.models.fingerprint import model_fingerprint
 from swarmlm.models.loading import load_config, resolve_model
 from swarmlm.models.naming import default_dht_prefix
+from swarmlm.models.quant import QUANT_MODES, module_bytes, quantize_int8
 from swarmlm.models.span import SpanModel
 from swarmlm.protocol import service
 from swarmlm.protocol.messages import ServerInfo
@@ -63,6 +65,13 @@ class Server:
         # clients use only servers of the very model they loaded: announced in every record
         self.fingerprint = model_fingerprint(self.model_dir)
         self.start, self.end = requested_span(config, self.num_blocks_total)
+        self.adapters = tuple(adapter_name(path) for path in config.adapters)  # checked before anything loads
+        if config.quant is not None and config.quant not in QUANT_MODES:
+            raise SwarmError(f"--quant must be one of {', '.join(QUANT_MODES)}, not {config.quant!r}")
+        if config.quant is not None and config.adapters:
+            raise SwarmError("--quant and --adapters cannot be combined: LoRA adapters need the blocks' float Linears")
+        # quantized blocks give slightly different outputs: announced as their own dtype, which clients opt into
+        self.announced_dtype = config.quant or config.dtype
         self.since = 0.0  # DHT time this span was claimed (set when announced)
         request_bytes = max_message_bytes(config.max_tokens_per_request, model_config.hidden_size)
         self.peer_memory_bytes = int(config.peer_memory_mb * 1e6) if config.peer_memory_mb else 4 * request_bytes
@@ -96,6 +105,13 @@ class Server:
         cfg = self.config
         logger.info("Loading blocks %d:%d of %s", start, end, self.model_dir)
         span = SpanModel.from_dir(self.model_dir, start, end, DTYPES[cfg.dtype], cfg.device)
+        if cfg.adapters:
+            load_adapters(span, cfg.adapters)
+        if cfg.quant == "int8":
+            before = module_bytes(span.layers)
+            quantize_int8(span.layers)
+            logger.info("Quantized blocks %d:%d to int8: %.2f MB per block (%.2f MB before)", start, end,
+                        module_bytes(span.layers) / (end - start) / 1e6, before / (end - start) / 1e6)  # fmt: skip
         backend = SpanBackend(span, DTYPES[cfg.dtype], cfg.device, cfg.max_tokens_per_request)
         self.throughput = backend.measure_throughput()
         self.inference_throughput = backend.measure_inference_throughput()
@@ -107,7 +123,7 @@ class Server:
             start=self.start,
             end=self.end,
             throughput=self.throughput,
-            dtype=self.config.dtype,
+            dtype=self.announced_dtype,
             addrs=tuple(self.addrs),
             fingerprint=self.fingerprint,
             version=__version__,
@@ -117,6 +133,7 @@ class Server:
             inference_throughput=self.inference_throughput,
             since=self.since,
             sessions_open=0 if self.inference is None else self.inference.open_sessions,
+            adapters=self.adapters,
         )
 
     async def _announce(self, state: ServerState) -> ServerRecord:
@@ -141,13 +158,13 @@ class Server:
         """This server now, as rpc_info answers it."""
         if self.backend is None:
             raise RuntimeError("no span is loaded yet")
-        cfg, limits = self.config, self.backend.limits
+        limits = self.backend.limits
         return ServerInfo(
             start_block=limits.start,
             end_block=limits.end,
             version=__version__,
             fingerprint=self.fingerprint,
-            dtype=cfg.dtype,
+            dtype=self.announced_dtype,
             max_tokens_per_request=limits.max_tokens,
             max_position=limits.max_position,
             cache_tokens_total=self.cache_tokens,
@@ -156,6 +173,7 @@ class Server:
             throughput=self.throughput,
             inference_throughput=self.inference_throughput,
             pushes_received=0 if self.inference is None else self.inference.pushes_received,
+            adapters=self.adapters,
         )
 
     async def _serve(self) -> None:

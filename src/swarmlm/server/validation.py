@@ -36,6 +36,13 @@ class SpanLimits:
     hidden_size: int
     max_tokens: int  # batch * sequence tokens one request may carry
     max_position: int  # positions must be below this (the model's context)
+    adapters: tuple[str, ...] = ()  # LoRA adapters a request may name
+
+
+def check_adapter(adapter: str | None, limits: SpanLimits) -> None:
+    if adapter is not None and adapter not in limits.adapters:
+        served = ", ".join(limits.adapters) or "none"
+        raise ProtocolError(f"adapter {adapter!r} is not served here (adapters served: {served})")
 
 
 def check_blocks(start: int, end: int, limits: SpanLimits) -> None:
@@ -115,6 +122,7 @@ def check_prompts(
 def check_span_request(header: ForwardRequest, tensors: list[torch.Tensor], limits: SpanLimits) -> SpanTensors:
     """Validate a forward or backward request and return its bundle, with index tensors as int64."""
     check_blocks(header.start_block, header.end_block, limits)
+    check_adapter(header.adapter, limits)
     if isinstance(header, BackwardRequest) and "grad_outputs" not in header.tensors:
         raise ProtocolError("a backward request carries grad_outputs")
     bundle = SpanTensors.from_wire(header.tensors, tensors)
@@ -138,6 +146,7 @@ def check_span_request(header: ForwardRequest, tensors: list[torch.Tensor], limi
 
 def check_open(header: InferenceOpen, limits: SpanLimits) -> None:
     check_blocks(header.start_block, header.end_block, limits)
+    check_adapter(header.adapter, limits)
     if header.max_length > limits.max_position:
         raise ProtocolError(f"max_length {header.max_length} exceeds the model's context of {limits.max_position}")
 

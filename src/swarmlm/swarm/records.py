@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import logging
 from enum import StrEnum
+from typing import Annotated
 
 import hivemind
 from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
 
-from swarmlm.protocol.messages import PROTOCOL_VERSION
+from swarmlm.protocol.messages import ADAPTER_NAME_PATTERN, PROTOCOL_VERSION
 from swarmlm.swarm.identity import public_key_of
 
 logger = logging.getLogger(__name__)
+
+# a record naming more LoRA adapters than this is refused (a server loads each into memory: real ones hold a few)
+MAX_ADAPTERS = 256
+AdapterName = Annotated[str, StringConstraints(pattern=ADAPTER_NAME_PATTERN)]
 
 
 class ServerState(StrEnum):
@@ -45,6 +50,7 @@ class ServerRecord(BaseModel):
     inference_throughput: float | None = Field(default=None, gt=0)  # decode steps/s through one block, if measured
     sessions_open: int = Field(default=0, ge=0)  # inference sessions open now (0 also from servers too old to say)
     since: float = Field(default=0.0, ge=0)  # DHT time the server claimed this span (placement's tie-break)
+    adapters: tuple[AdapterName, ...] = Field(default=(), max_length=MAX_ADAPTERS)  # LoRA adapters requests may name
 
     @field_validator("addrs")
     @classmethod

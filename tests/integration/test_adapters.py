@@ -1,0 +1,117 @@
+"""LoRA adapters served by real `swarmlm serve --adapters` processes: a client naming an adapter routes only through
+servers that announce it and gets what the local PEFT model gives; a client naming none gets the base model even
+from servers that hold adapters."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from swarmlm.errors import MissingBlocksError
+from swarmlm.local_swarm import LocalSwarm
+from tests.conftest import LOGITS_ATOL, connected_model, load_reference
+from tests.integration.test_backward_tiny import assert_close, gradients
+from tests.tiny_families import build_adapter, build_tiny, load_peft_reference
+
+NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("lora")
+    model_dir = build_tiny("llama", root / "model")
+    return {
+        "model": model_dir,
+        "everywhere": build_adapter(model_dir, root / "everywhere", seed=1),
+        "some-blocks": build_adapter(model_dir, root / "some-blocks", seed=2, layers_to_transform=[1, 2]),
+    }
+
+
+@pytest.fixture(scope="module")
+def swarm(folders: dict[str, Path]) -> Iterator[LocalSwarm]:
+    """Blocks 0:2 and 2:4 with both adapters, and a plain 2:4 server that a client with an adapter must avoid."""
+    adapters = ["--adapters", str(folders["everywhere"]), str(folders["some-blocks"])]
+    swarm = LocalSwarm(str(folders["model"]), threads_per_server=1)
+    try:
+        started = [
+            swarm.add_server(0, 2, wait=False, extra_args=adapters),
+            swarm.add_server(2, 4, wait=False, extra_args=adapters),
+            swarm.add_server(2, 4, wait=False),
+        ]
+        swarm.wait_ready(started)
+        yield swarm
+    finally:
+        swarm.close()
+
+
+def ids(seed: int) -> torch.Tensor:
+    return torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("adapter", ["everywhere", "some-blocks"])
+def test_logits_with_an_adapter_equal_the_local_peft_model(folders, swarm, adapter: str) -> None:
+    reference = load_peft_reference(folders["model"], folders[adapter])
+    inputs = ids(0)
+    with torch.inference_mode():
+        expected = reference(inputs).logits
+        with reference.disable_adapter():
+            base = reference(inputs).logits
+    assert (expected - base).abs().max().item() > 1e-2  # the adapter matters
+    with connected_model(folders["model"], swarm, active_adapter=adapter) as model:
+        manager = model.model.layers.client.manager
+        # the plain server is not in the client's view; the others announce both adapters
+        assert set(manager.servers) == {swarm.servers[0].peer_id, swarm.servers[1].peer_id}
+        assert all(record.adapters == ("everywhere", "some-blocks") for record in manager.servers.values())
+        assert model.server_info(swarm.servers[0].peer_id).adapters == ("everywhere", "some-blocks")
+        with torch.inference_mode():
+            logits = model(inputs).logits
+    assert (logits - expected).abs().max().item() <= LOGITS_ATOL
+
+
+def test_greedy_generation_with_an_adapter_equals_local_peft(folders, swarm) -> None:
+    reference = load_peft_reference(folders["model"], folders["some-blocks"])
+    inputs = ids(1)
+    with torch.inference_mode():
+        expected = reference.generate(input_ids=inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
+    with connected_model(folders["model"], swarm, active_adapter="some-blocks") as model:
+        output = model.generate(inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
+    assert output.tolist() == expected.tolist()
+
+
+def test_deep_prompt_gradients_through_an_adapter_equal_local_peft(folders, swarm) -> None:
+    # the causal LM inside the PEFT model: its blocks carry the adapter, as the servers' do
+    reference = load_peft_reference(folders["model"], folders["everywhere"]).base_model.model.requires_grad_(False)
+    inputs = ids(4)
+    weights = torch.randn(2, 7, 128, generator=torch.Generator().manual_seed(5))
+    options = dict(active_adapter="everywhere", tuning_mode="deep_ptune", pre_seq_len=2)
+    with connected_model(folders["model"], swarm, **options) as tuned:
+        torch.manual_seed(0)
+        with torch.no_grad():
+            tuned.prompt_tuning.deep_prompts.normal_(std=0.5)
+        remote, local = gradients(tuned, reference, inputs, weights)
+    for actual, expected in zip(remote, local, strict=True):
+        assert_close(actual, expected)
+
+
+def test_a_client_without_adapter_gets_the_base_model_from_servers_with_adapters(folders, swarm) -> None:
+    reference = load_reference(folders["model"])
+    inputs = ids(2)
+    with torch.inference_mode():
+        expected = reference(inputs).logits
+        generated = reference.generate(inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
+    holders = (swarm.servers[0].peer_id, swarm.servers[1].peer_id)
+    with connected_model(folders["model"], swarm, allowed_servers=holders) as model:
+        with torch.inference_mode():
+            logits = model(inputs).logits
+        output = model.generate(inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
+    assert (logits - expected).abs().max().item() <= LOGITS_ATOL
+    assert output.tolist() == generated.tolist()
+
+
+def test_an_adapter_no_server_has_is_missing_blocks(folders, swarm) -> None:
+    with connected_model(folders["model"], swarm, active_adapter="nowhere", missing_blocks_timeout_s=1.0) as model:
+        with pytest.raises(MissingBlocksError):
+            model(ids(3))
