@@ -114,7 +114,6 @@ class SpanModel(nn.Module):
             )
         return hidden
 
-
     def use_adapter(self, adapter: str | None) -> None:
         """Apply `adapter` (None: none) in the computations that follow."""
         if adapter != self.active_adapter:
