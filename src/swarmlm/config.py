@@ -15,6 +15,8 @@ class ServerConfig:
     new_swarm: bool = False  # start a fresh DHT instead of joining one
     host: str = "0.0.0.0"  # interface to listen on
     port: int = 0  # TCP port to listen on (0: any free port)
+    announce_maddrs: tuple[str, ...] = ()  # addresses others dial (port forward, proxy); default: the listening ones
+    identity_path: str | None = None  # Ed25519 key file keeping the peer id across restarts (created if missing)
     dtype: str = "float32"  # compute dtype of the blocks: float32 | bfloat16 | float16
     device: str = "cpu"  # torch device of the blocks
     dht_prefix: str | None = None  # name the swarm's records live under (default: derived from the model)
