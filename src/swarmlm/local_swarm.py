@@ -14,6 +14,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from swarmlm.errors import SwarmError
 from swarmlm.swarm.dht import ParentBoundDHT, start_dht, visible_maddrs
@@ -64,11 +65,13 @@ class LocalSwarm:
         dht_prefix: str | None = None,
         threads_per_server: int | None = None,
         extra_args: Sequence[str] = (),
+        bootstrap_host: str = "127.0.0.1",
     ):
         self.model, self.cache_dir, self.dht_prefix = model, cache_dir, dht_prefix
         self.threads_per_server, self.extra_args = threads_per_server, list(extra_args)
         self.log_dir = Path(tempfile.mkdtemp(prefix="swarmlm-logs-"))
-        self.dht: ParentBoundDHT = start_dht(host="127.0.0.1")
+        # every peer of a local swarm is reachable directly: NAT traversal would only add traffic
+        self.dht: ParentBoundDHT = start_dht(host=bootstrap_host, nat_traversal=False)
         self.initial_peers = visible_maddrs(self.dht)
         self.servers: list[LocalServer] = []
 
@@ -101,13 +104,17 @@ class LocalSwarm:
         log_path = self.log_dir / f"server-{len(self.servers)}-{'-'.join(span[1:]).replace(':', '-')}.log"
         # co-located servers share the cores: OpenMP threads that spin after their work would slow the next server
         env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, "PYTHONUNBUFFERED": "1"}
-        process = spawn_bound(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+        process = self._launch(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
         server = LocalServer(start, end, process, log_path)
         threading.Thread(target=self._pump, args=(server,), daemon=True).start()
         self.servers.append(server)
         if wait:
             self.wait_ready([server])
         return server
+
+    def _launch(self, args: list[str], **popen_kwargs: Any) -> subprocess.Popen:
+        """Start one server's process (a hook: the emulated network starts each on its own host)."""
+        return spawn_bound(args, **popen_kwargs)
 
     def start_servers(self, spans: Sequence[tuple[int, int]]) -> list[LocalServer]:
         started = [self.add_server(start, end, wait=False) for start, end in spans]
