@@ -59,3 +59,4 @@ class ClientConfig:
     route_tie_tolerance: float = 0.05  # routes within this fraction of the cheapest are drawn at random (spreads load)
     route_stickiness: float = 0.2  # the servers used last keep their blocks until another is this fraction cheaper
     sticky_route_s: float = 60.0  # how long the servers used last stay preferred after their last use
+    ping_timeout_s: float = 2.0  # servers not yet called get one timed rpc_info before routing; longer = this far

@@ -12,6 +12,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 from swarmlm.client.health import Health
+from swarmlm.client.latency import measure_all
 from swarmlm.client.swarm_view import ServerFilter, SwarmView
 from swarmlm.config import ClientConfig
 from swarmlm.errors import MissingBlocksError
@@ -131,6 +132,7 @@ class SequenceManager:
         sessions of this size, so servers announcing too little free cache for one are avoided while others can
         serve their blocks (announcements lag: when none can, the servers themselves answer)."""
         began = time.monotonic()
+        await self.measure_unknown(start, end)
         while True:
             banned, views = self._excluded(tokens, avoid), self.view.views(self.health)
             route = None
@@ -147,6 +149,20 @@ class SequenceManager:
                 raise MissingBlocksError(missing or list(range(start, end)), waited)
             await asyncio.sleep(MISSING_BLOCKS_POLL_S)
             await self.refresh()
+
+    async def measure_unknown(self, start: int, end: int) -> None:
+        """Time a round trip to each server of blocks [start, end) this client never measured, so that the first
+        route already prefers near servers (client/latency.py); at most ping_timeout_s, all at once."""
+        timeout_s = self.config.ping_timeout_s
+        if timeout_s <= 0 or self.p2p is None:
+            return
+        unknown = [peer for peer, r in self.servers.items()
+                   if r.start < end and r.end > start and not self.health.has_measured(peer)]  # fmt: skip
+        if unknown:
+            await measure_all(unknown, self.ensure_connected, self.p2p, timeout_s, self._record_ping)
+
+    def _record_ping(self, peer_id: str, seconds: float) -> None:
+        self.health.observe(peer_id, seconds, 0)  # work 0: the round trip without compute
 
     def _find(
         self, views: list[ServerView], start: int, end: int, tokens: int, banned: set[str]
