@@ -1,4 +1,4 @@
-"""`swarmlm serve --identity PATH`: the key file is created private on first start and the peer id survives a restart."""
+"""`swarmlm serve --identity PATH`: the key file is created private at first start; the peer id survives restarts."""
 
 from __future__ import annotations
 
