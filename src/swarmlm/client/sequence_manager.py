@@ -157,12 +157,9 @@ class SequenceManager:
         if timeout_s <= 0 or self.p2p is None:
             return
         unknown = [peer for peer, r in self.servers.items()
-                   if r.start < end and r.end > start and not self.health.has_measured(peer)]  # fmt: skip
+                   if r.start < end and r.end > start and not self.health.knows_latency(peer)]  # fmt: skip
         if unknown:
-            await measure_all(unknown, self.ensure_connected, self.p2p, timeout_s, self._record_ping)
-
-    def _record_ping(self, peer_id: str, seconds: float) -> None:
-        self.health.observe(peer_id, seconds, 0)  # work 0: the round trip without compute
+            await measure_all(unknown, self.ensure_connected, self.p2p, timeout_s, self.health.record_ping)
 
     def _find(
         self, views: list[ServerView], start: int, end: int, tokens: int, banned: set[str]
