@@ -59,4 +59,5 @@ class ClientConfig:
     route_tie_tolerance: float = 0.05  # routes within this fraction of the cheapest are drawn at random (spreads load)
     route_stickiness: float = 0.2  # the servers used last keep their blocks until another is this fraction cheaper
     sticky_route_s: float = 60.0  # how long the servers used last stay preferred after their last use
+    wire_dtype: str = "float32"  # activations travel as float32 (exact), bfloat16 or float16 (half the bytes)
     ping_timeout_s: float = 2.0  # servers not yet called get one timed rpc_info before routing; longer = this far

@@ -14,6 +14,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from swarmlm.client.health import Health
 from swarmlm.client.latency import measure_all
 from swarmlm.client.swarm_view import ServerFilter, SwarmView
+from swarmlm.client.wire import wire_dtype_of
 from swarmlm.config import ClientConfig
 from swarmlm.errors import MissingBlocksError
 from swarmlm.swarm.dht import ParentBoundDHT, is_loopback_maddr, start_dht
@@ -60,6 +61,7 @@ class SequenceManager:
             ServerFilter.of(fingerprint, config.accepted_dtypes, config.allowed_servers, config.blocked_servers)
         )
         self.health = Health(config.ban_base_s, config.ban_max_s)
+        self.wire = wire_dtype_of(config.wire_dtype)  # what float32 activations travel as (client/wire.py)
         self._connected: set[str] = set()
         self._rng = random.Random()
         self._last_used: dict[str, float] = {}  # peer -> when a route last went through it (monotonic s)

@@ -13,6 +13,7 @@ from hivemind.p2p import P2PDaemonError, P2PHandlerError
 from hivemind.proto import runtime_pb2
 
 from swarmlm.client.sequence_manager import SequenceManager
+from swarmlm.client.wire import from_wire, on_wire, to_wire
 from swarmlm.errors import BadRequestError, ProtocolError, RemoteCallError
 from swarmlm.protocol import service
 from swarmlm.protocol.codec import encode, read_message, read_only_message
@@ -118,19 +119,26 @@ async def call_span(
     """
     began = time.perf_counter()
     timeout_s = manager.config.request_timeout_s
+    sent, wire_expected = to_wire(tensors, manager.wire), expected_on_wire(expected, manager.wire)
     with remote_errors(method, peer_id, timeout_s):
         async with asyncio.timeout(timeout_s):
             peer = await manager.ensure_connected(peer_id)
-            replies = await getattr(service.stub(manager.p2p, peer), method)(_as_stream(header, tensors))
+            replies = await getattr(service.stub(manager.p2p, peer), method)(_as_stream(header, sent))
             # aclosing: a cancelled or failed read still closes the stream, so the server stops working for us
             async with contextlib.aclosing(replies):
-                message = await read_only_message(replies, ReplyHeader, max_bytes=reply_bytes(expected))
+                message = await read_only_message(replies, ReplyHeader, max_bytes=reply_bytes(wire_expected))
     reply, outputs = _checked(manager, message, method, peer_id, time.perf_counter() - began)
-    check_outputs(outputs, expected, method, peer_id)
+    check_outputs(outputs, wire_expected, method, peer_id)
     # the whole time by our clock, compute included: the compute time a server reports is its claim, not a measure
     blocks = getattr(header, "end_block", 0) - getattr(header, "start_block", 0)
     manager.record_success(peer_id, time.perf_counter() - began, call_work(blocks, tensors))
-    return reply, outputs
+    return reply, from_wire(outputs, [e.dtype for e in expected])
+
+
+def expected_on_wire(expected: Sequence[Expected], wire: torch.dtype) -> list[Expected]:
+    """What a reply carries on the wire when the request's float32 tensors travelled as `wire` (client/wire.py)."""
+    dtypes = on_wire([e.dtype for e in expected], wire)
+    return [Expected(e.shape, dtype) for e, dtype in zip(expected, dtypes, strict=True)]
 
 
 async def fetch_info(manager: SequenceManager, peer_id: str) -> ServerInfo:
@@ -186,19 +194,21 @@ class SpanStream:
             self._blocks = header.end_block - header.start_block
         began = time.perf_counter()
         timeout_s = self.manager.config.request_timeout_s
+        wire = self.manager.wire
+        sent, wire_expected = to_wire(tensors, wire), expected_on_wire(expected, wire)
         with remote_errors(self.method, self.peer_id, timeout_s):
             async with asyncio.timeout(timeout_s):
                 if self._replies is None:
                     peer = await self.manager.ensure_connected(self.peer_id)
                     stub = service.stub(self.manager.p2p, peer)
                     self._replies = await getattr(stub, self.method)(self._requests())
-                for part in encode(header, tensors, runtime_pb2.ExpertRequest):
+                for part in encode(header, sent, runtime_pb2.ExpertRequest):
                     self._queue.put_nowait(part)
-                message = await read_message(self._replies, ReplyHeader, max_bytes=reply_bytes(expected))
+                message = await read_message(self._replies, ReplyHeader, max_bytes=reply_bytes(wire_expected))
         _, outputs = _checked(self.manager, message, self.method, self.peer_id, time.perf_counter() - began)
-        check_outputs(outputs, expected, self.method, self.peer_id)
+        check_outputs(outputs, wire_expected, self.method, self.peer_id)
         self.manager.record_success(self.peer_id, time.perf_counter() - began, call_work(self._blocks, tensors))
-        return outputs
+        return from_wire(outputs, [e.dtype for e in expected])
 
     async def close(self) -> None:
         """End the stream (the server frees the session) and wait briefly for the server to finish it."""
