@@ -4,6 +4,7 @@ and the client routes through the nearer of two replicas from its first request 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -81,11 +82,11 @@ def test_greedy_generation_over_50ms_links_equals_local(swarm: NetSwarm, tiny_mo
     expected = reference.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
     model = connect(swarm, tiny_model_dir, swarm.servers[:2])  # 3 hosts: 2 servers and the client
     try:
+        began = time.perf_counter()
         output = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
         assert output.tolist() == expected.tolist()
-        # each of the 2 hops per token crossed a 50 ms link twice: the emulated delay is real
-        latency = [model.model.layers.client.manager.health.measured(str(s.peer_id), 1.0) for s in swarm.servers[:2]]
-        assert all(m is not None and m[0] >= 0.09 for m in latency), latency
+        # each of the 2 hops of every token crossed a 50 ms link twice: the emulated delay is real
+        assert time.perf_counter() - began >= NEW_TOKENS * 2 * 0.1
     finally:
         model.close()
 
