@@ -102,3 +102,14 @@ def test_pinged_round_trips_route_to_the_near_replica_before_any_call() -> None:
     # once called, the calls' own timing is what counts
     health.record_success("far", 0.001, 4)
     assert health.measured("far", 1000.0)[0] < 0.01
+
+
+def test_pings_that_differ_by_jitter_only_leave_replicas_tied() -> None:
+    view = SwarmView(ServerFilter.of("fp", DTYPES))
+    view.update({"a": _record(), "b": _record()})
+    health = Health(1.0, 60.0)
+    health.record_ping("a", 0.0011)
+    health.record_ping("b", 0.0013)
+    rng = random.Random(0)
+    picks = {find_route(view.views(health), 0, 4, rng=rng, tie_tolerance=0.05)[0].peer_id for _ in range(20)}
+    assert picks == {"a", "b"}  # load still spreads over both

@@ -13,6 +13,8 @@ import math
 import time
 from dataclasses import dataclass
 
+from swarmlm.swarm.routing import DEFAULT_LATENCY_S
+
 logger = logging.getLogger(__name__)
 
 # weight of the newest call in the exponentially weighted moments of a server's call times
@@ -106,7 +108,7 @@ class Health:
 
     def measured(self, peer_id: str, prior_throughput: float) -> tuple[float, float] | None:
         """(latency_s, throughput) for routing from this client's measurements; None if never measured. A server
-        only pinged has the ping's round trip as latency and prior_throughput as throughput.
+        only pinged has its round trip (at least DEFAULT_LATENCY_S) as latency and prior_throughput as throughput.
 
         prior_throughput (the bounded announced figure, block-tokens per second) is used only for the part the
         measurements cannot tell: how the call time grows with work when all calls were of the same size.
@@ -114,7 +116,10 @@ class Health:
         stats = self._stats.get(peer_id)
         if stats is None:
             ping = self._pings.get(peer_id)
-            return None if ping is None else (ping, prior_throughput)
+            # a ping leaves out (de)serialization and compute: a server only pinged counts as at least as far as an
+            # unmeasured one, or it would look cheaper than the measured servers in use and pull routes off them;
+            # the ping tells far servers apart (and jitter among near ones does not break their tie)
+            return None if ping is None else (max(ping, DEFAULT_LATENCY_S), prior_throughput)
         prior = 1.0 / prior_throughput if math.isfinite(prior_throughput) and prior_throughput > 0 else 0.0
         fixed, per_work = stats.fit(prior)
         return fixed, (1.0 / per_work if per_work > 0 else prior_throughput)
