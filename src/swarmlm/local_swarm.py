@@ -14,6 +14,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from swarmlm.errors import SwarmError
 from swarmlm.swarm.dht import ParentBoundDHT, start_dht, visible_maddrs
@@ -66,13 +67,15 @@ class LocalSwarm:
         threads_per_server: int | None = None,
         extra_args: Sequence[str] = (),
         swarm_key_file: str | None = None,
+        bootstrap_host: str = "127.0.0.1",
     ):
         self.model, self.cache_dir, self.dht_prefix = model, cache_dir, dht_prefix
         self.swarm_key_file = swarm_key_file  # a private swarm: the bootstrap node and every server use this key
         self.threads_per_server, self.extra_args = threads_per_server, list(extra_args)
         self.log_dir = Path(tempfile.mkdtemp(prefix="swarmlm-logs-"))
         key = None if swarm_key_file is None else load_swarm_key(swarm_key_file)
-        self.dht: ParentBoundDHT = start_dht(host="127.0.0.1", swarm_key=key)
+        # every peer of a local swarm is reachable directly: NAT traversal would only add traffic
+        self.dht: ParentBoundDHT = start_dht(host=bootstrap_host, nat_traversal=False, swarm_key=key)
         self.initial_peers = visible_maddrs(self.dht)
         self.servers: list[LocalServer] = []
 
@@ -107,13 +110,17 @@ class LocalSwarm:
         log_path = self.log_dir / f"server-{len(self.servers)}-{'-'.join(span[1:]).replace(':', '-')}.log"
         # co-located servers share the cores: OpenMP threads that spin after their work would slow the next server
         env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, "PYTHONUNBUFFERED": "1"}
-        process = spawn_bound(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+        process = self._launch(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
         server = LocalServer(start, end, process, log_path)
         threading.Thread(target=self._pump, args=(server,), daemon=True).start()
         self.servers.append(server)
         if wait:
             self.wait_ready([server])
         return server
+
+    def _launch(self, args: list[str], **popen_kwargs: Any) -> subprocess.Popen:
+        """Start one server's process (a hook: the emulated network starts each on its own host)."""
+        return spawn_bound(args, **popen_kwargs)
 
     def start_servers(self, spans: Sequence[tuple[int, int]]) -> list[LocalServer]:
         started = [self.add_server(start, end, wait=False) for start, end in spans]

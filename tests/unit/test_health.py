@@ -86,3 +86,30 @@ def test_records_reject_unparseable_or_absurd_fields() -> None:
     with pytest.raises(ValueError):
         _record(throughput=float("inf"))
     assert _record(addrs=("/ip4/127.0.0.1/tcp/5/p2p/12D3KooWDf9GRMVkcnVvVHdchPAgxFQeyJ36RABKeb3P1LGtMwje",)).addrs
+
+
+def test_pinged_round_trips_route_to_the_near_replica_before_any_call() -> None:
+    view = SwarmView(ServerFilter.of("fp", DTYPES))
+    view.update({"near": _record(), "far": _record()})
+    health = Health(1.0, 60.0)
+    health.record_ping("near", 0.012)
+    health.record_ping("far", 0.205)
+    health.record_ping("far", float("nan"))  # garbage is ignored
+    assert not health.has_measured("near") and health.knows_latency("far")
+    rng = random.Random(0)
+    for _ in range(20):  # random tie-breaking would pick "far" half the time if they looked equal
+        assert find_route(view.views(health), 0, 4, tokens=1, rng=rng, tie_tolerance=0.05)[0].peer_id == "near"
+    # once called, the calls' own timing is what counts
+    health.record_success("far", 0.001, 4)
+    assert health.measured("far", 1000.0)[0] < 0.01
+
+
+def test_pings_that_differ_by_jitter_only_leave_replicas_tied() -> None:
+    view = SwarmView(ServerFilter.of("fp", DTYPES))
+    view.update({"a": _record(), "b": _record()})
+    health = Health(1.0, 60.0)
+    health.record_ping("a", 0.0011)
+    health.record_ping("b", 0.0013)
+    rng = random.Random(0)
+    picks = {find_route(view.views(health), 0, 4, rng=rng, tie_tolerance=0.05)[0].peer_id for _ in range(20)}
+    assert picks == {"a", "b"}  # load still spreads over both

@@ -44,6 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--new-swarm", action="store_true", help="start a new swarm instead of joining one")
     _add_network_args(serve)
+    serve.add_argument("--announce-maddrs", nargs="*", default=[], metavar="MADDR",
+                       help="addresses others should dial, e.g. /ip4/203.0.113.7/tcp/31337 behind a port forward "
+                       "(default: the listening ones)")  # fmt: skip
+    serve.add_argument("--identity", default=None, metavar="PATH",
+                       help="key file that keeps this server's peer id across restarts (created, mode 0600, if "
+                       "missing)")  # fmt: skip
     serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     serve.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     serve.add_argument("--dht-prefix", default=None, help="swarm name (default: derived from the model)")
@@ -169,6 +175,8 @@ def _serve(args: argparse.Namespace) -> None:
         new_swarm=args.new_swarm,
         host=args.host,
         port=args.port,
+        announce_maddrs=tuple(args.announce_maddrs),
+        identity_path=args.identity,
         dtype=args.dtype,
         device=args.device,
         dht_prefix=args.dht_prefix,

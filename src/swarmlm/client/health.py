@@ -13,6 +13,8 @@ import math
 import time
 from dataclasses import dataclass
 
+from swarmlm.swarm.routing import DEFAULT_LATENCY_S
+
 logger = logging.getLogger(__name__)
 
 # weight of the newest call in the exponentially weighted moments of a server's call times
@@ -69,6 +71,7 @@ class Health:
         self._stats: dict[str, CallStats] = {}
         self._cool_downs: dict[str, float] = {}  # peer -> avoided until (busy: not a failure, never escalates)
         self._distrusted: set[str] = set()  # caught returning wrong results: never used again by this client
+        self._pings: dict[str, float] = {}  # peer -> last timed rpc_info round trip, for servers never called
 
     def ban(self, peer_id: str) -> float:
         """Ban a failed server; each further failure doubles the ban (up to ban_max_s). Returns its length in s."""
@@ -112,14 +115,19 @@ class Health:
             stats.add(work, seconds)
 
     def measured(self, peer_id: str, prior_throughput: float) -> tuple[float, float] | None:
-        """(latency_s, throughput) for routing from this client's measurements; None if never measured.
+        """(latency_s, throughput) for routing from this client's measurements; None if never measured. A server
+        only pinged has its round trip (at least DEFAULT_LATENCY_S) as latency and prior_throughput as throughput.
 
         prior_throughput (the bounded announced figure, block-tokens per second) is used only for the part the
         measurements cannot tell: how the call time grows with work when all calls were of the same size.
         """
         stats = self._stats.get(peer_id)
         if stats is None:
-            return None
+            ping = self._pings.get(peer_id)
+            # a ping leaves out (de)serialization and compute: a server only pinged counts as at least as far as an
+            # unmeasured one, or it would look cheaper than the measured servers in use and pull routes off them;
+            # the ping tells far servers apart (and jitter among near ones does not break their tie)
+            return None if ping is None else (max(ping, DEFAULT_LATENCY_S), prior_throughput)
         prior = 1.0 / prior_throughput if math.isfinite(prior_throughput) and prior_throughput > 0 else 0.0
         fixed, per_work = stats.fit(prior)
         return fixed, (1.0 / per_work if per_work > 0 else prior_throughput)
@@ -128,5 +136,15 @@ class Health:
         """Whether the server's last call failed (it was banned and has not succeeded since)."""
         return peer_id in self._bans
 
+    def record_ping(self, peer_id: str, seconds: float) -> None:
+        """A round trip without compute (a timed rpc_info) took `seconds`: the latency of a server not yet called."""
+        if math.isfinite(seconds) and seconds >= 0:
+            self._pings[peer_id] = seconds
+
     def has_measured(self, peer_id: str) -> bool:
+        """Whether this client timed calls of the server (pings do not count)."""
         return peer_id in self._stats
+
+    def knows_latency(self, peer_id: str) -> bool:
+        """Whether calls or a ping of the server were timed."""
+        return peer_id in self._stats or peer_id in self._pings

@@ -13,8 +13,10 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 
 from swarmlm.client.health import Health
+from swarmlm.client.latency import measure_all
 from swarmlm.client.swarm_view import ServerFilter, SwarmView
 from swarmlm.client.verify import Verifier
+from swarmlm.client.wire import wire_dtype_of
 from swarmlm.config import ClientConfig
 from swarmlm.errors import MissingBlocksError, RemoteCallError
 from swarmlm.swarm import private, reports
@@ -71,6 +73,7 @@ class SequenceManager:
         self.verifier = Verifier(config.verify_probability, config.verify_first_requests)
         self._my_reports: dict[str, reports.Report] = {}  # servers this client caught, as published on the DHT
         self._background: set[asyncio.Task] = set()  # report publications in flight
+        self.wire = wire_dtype_of(config.wire_dtype)  # what float32 activations travel as (client/wire.py)
         self._connected: set[str] = set()
         self._joined: set[str] = set()  # servers of a private swarm this client proved its membership to
         self._rng = random.Random()
@@ -160,6 +163,7 @@ class SequenceManager:
         serve their blocks (announcements lag: when none can, the servers themselves answer). Without spread, the
         cheapest route is taken (no draw among near-equal ones, no stickiness): spot checks want few servers."""
         began = time.monotonic()
+        await self.measure_unknown(start, end)
         while True:
             banned, views = self._excluded(tokens, avoid), self.view.views(self.health)
             route = None
@@ -176,6 +180,17 @@ class SequenceManager:
                 raise MissingBlocksError(missing or list(range(start, end)), waited)
             await asyncio.sleep(MISSING_BLOCKS_POLL_S)
             await self.refresh()
+
+    async def measure_unknown(self, start: int, end: int) -> None:
+        """Time a round trip to each server of blocks [start, end) this client never measured, so that the first
+        route already prefers near servers (client/latency.py); at most ping_timeout_s, all at once."""
+        timeout_s = self.config.ping_timeout_s
+        if timeout_s <= 0 or self.p2p is None:
+            return
+        unknown = [peer for peer, r in self.servers.items()
+                   if r.start < end and r.end > start and not self.health.knows_latency(peer)]  # fmt: skip
+        if unknown:
+            await measure_all(unknown, self.ensure_connected, self.p2p, timeout_s, self.health.record_ping)
 
     def _find(
         self, views: list[ServerView], start: int, end: int, tokens: int, banned: set[str], spread: bool = True

@@ -14,6 +14,7 @@ from hivemind.proto import runtime_pb2
 
 from swarmlm.client import trace
 from swarmlm.client.sequence_manager import SequenceManager
+from swarmlm.client.wire import from_wire, on_wire, to_wire
 from swarmlm.errors import BadRequestError, ProtocolError, RemoteCallError
 from swarmlm.protocol import service
 from swarmlm.protocol.codec import encode, read_message, read_only_message
@@ -119,21 +120,28 @@ async def call_span(
     """
     began = time.perf_counter()
     timeout_s = manager.config.request_timeout_s
+    sent, wire_expected = to_wire(tensors, manager.wire), expected_on_wire(expected, manager.wire)
     with remote_errors(method, peer_id, timeout_s):
         async with asyncio.timeout(timeout_s):
             peer = await manager.ensure_connected(peer_id)
-            replies = await getattr(service.stub(manager.p2p, peer), method)(_as_stream(header, tensors))
+            replies = await getattr(service.stub(manager.p2p, peer), method)(_as_stream(header, sent))
             # aclosing: a cancelled or failed read still closes the stream, so the server stops working for us
             async with contextlib.aclosing(replies):
-                message = await read_only_message(replies, ReplyHeader, max_bytes=reply_bytes(expected))
+                message = await read_only_message(replies, ReplyHeader, max_bytes=reply_bytes(wire_expected))
     reply, outputs = _checked(manager, message, method, peer_id, time.perf_counter() - began)
-    check_outputs(outputs, expected, method, peer_id)
+    check_outputs(outputs, wire_expected, method, peer_id)
     # the whole time by our clock, compute included: the compute time a server reports is its claim, not a measure
     start, end = getattr(header, "start_block", 0), getattr(header, "end_block", 0)
     elapsed_s = time.perf_counter() - began
     manager.record_success(peer_id, elapsed_s, call_work(end - start, tensors))
     trace.record_call(peer_id, start, end, getattr(header, "kind", method), elapsed_s * 1e3, reply.compute_ms)
-    return reply, outputs
+    return reply, from_wire(outputs, [e.dtype for e in expected])
+
+
+def expected_on_wire(expected: Sequence[Expected], wire: torch.dtype) -> list[Expected]:
+    """What a reply carries on the wire when the request's float32 tensors travelled as `wire` (client/wire.py)."""
+    dtypes = on_wire([e.dtype for e in expected], wire)
+    return [Expected(e.shape, dtype) for e, dtype in zip(expected, dtypes, strict=True)]
 
 
 async def fetch_info(manager: SequenceManager, peer_id: str) -> ServerInfo:
@@ -190,37 +198,40 @@ class SpanStream:
             self._span = (header.start_block, header.end_block)
         began = time.perf_counter()
         timeout_s = self.manager.config.request_timeout_s
+        wire = self.manager.wire
+        sent, wire_expected = to_wire(tensors, wire), expected_on_wire(expected, wire)
         with remote_errors(self.method, self.peer_id, timeout_s):
             async with asyncio.timeout(timeout_s):
                 if self._replies is None:
                     peer = await self.manager.ensure_connected(self.peer_id)
                     stub = service.stub(self.manager.p2p, peer)
                     self._replies = await getattr(stub, self.method)(self._requests())
-                for part in encode(header, tensors, runtime_pb2.ExpertRequest):
+                for part in encode(header, sent, runtime_pb2.ExpertRequest):
                     self._queue.put_nowait(part)
-                message = await read_message(self._replies, ReplyHeader, max_bytes=reply_bytes(expected))
+                message = await read_message(self._replies, ReplyHeader, max_bytes=reply_bytes(wire_expected))
         reply, outputs = _checked(self.manager, message, self.method, self.peer_id, time.perf_counter() - began)
         self.last_reply = reply
-        check_outputs(outputs, expected, self.method, self.peer_id)
+        check_outputs(outputs, wire_expected, self.method, self.peer_id)
         (start, end), elapsed_s = self._span, time.perf_counter() - began
         self.manager.record_success(self.peer_id, elapsed_s, call_work(end - start, tensors))
         kind = getattr(header, "kind", self.method)
         trace.record_call(self.peer_id, start, end, kind, elapsed_s * 1e3, reply.compute_ms)
-        return outputs
+        return from_wire(outputs, [e.dtype for e in expected])
 
     async def receive(self, expected: Sequence[Expected]) -> list[torch.Tensor]:
         """Read one more reply without sending (the answer to a step another server pushed to this session)."""
         began, timeout_s = time.perf_counter(), self.manager.config.request_timeout_s
+        wire_expected = expected_on_wire(expected, self.manager.wire)
         with remote_errors(self.method, self.peer_id, timeout_s):
             async with asyncio.timeout(timeout_s):
                 if self._replies is None:
                     raise ProtocolError("the stream is not open")
-                message = await read_message(self._replies, ReplyHeader, max_bytes=reply_bytes(expected))
+                message = await read_message(self._replies, ReplyHeader, max_bytes=reply_bytes(wire_expected))
         self.last_reply, outputs = check_reply(message, self.method, self.peer_id)
-        check_outputs(outputs, expected, self.method, self.peer_id)
+        check_outputs(outputs, wire_expected, self.method, self.peer_id)
         (start, end), waited_ms = self._span, (time.perf_counter() - began) * 1e3
         trace.record_call(self.peer_id, start, end, "pushed step", waited_ms, self.last_reply.compute_ms)
-        return outputs
+        return from_wire(outputs, [e.dtype for e in expected])
 
     async def close(self) -> None:
         """End the stream (the server frees the session) and wait briefly for the server to finish it."""

@@ -36,7 +36,8 @@ from swarmlm.server.placement import Span, claimed_first, estimate_throughput, r
 from swarmlm.server.push import Pusher
 from swarmlm.server.transport import StreamLimits
 from swarmlm.server.validation import max_message_bytes
-from swarmlm.swarm.dht import start_dht, visible_maddrs
+from swarmlm.swarm.dht import check_announce_maddrs, start_dht, visible_maddrs
+from swarmlm.swarm.keyfile import load_or_create_identity
 from swarmlm.swarm.private import blind_prefix
 from swarmlm.swarm.records import ServerRecord, ServerState, announce, fetch_servers
 
@@ -54,6 +55,7 @@ class Server:
             raise SwarmError(f"--dtype must be one of {', '.join(DTYPES)}, not {config.dtype!r}")
         if not config.new_swarm and not config.initial_peers:
             raise SwarmError("give --initial-peers to join a swarm, or --new-swarm to start one")
+        check_announce_maddrs(config.announce_maddrs)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.dht_prefix = config.dht_prefix or default_dht_prefix(config.model)
@@ -88,9 +90,15 @@ class Server:
         self.handler: SpanHandler | None = None
 
     def run(self) -> None:
+        cfg = self.config
+        key = load_or_create_identity(cfg.identity_path) if cfg.identity_path else None
         self.dht = start_dht(
-            () if self.config.new_swarm else self.config.initial_peers, host=self.config.host, port=self.config.port,
-            swarm_key=self.config.swarm_key,
+            () if cfg.new_swarm else cfg.initial_peers,
+            host=cfg.host,
+            port=cfg.port,
+            key=key,
+            announce_maddrs=cfg.announce_maddrs,
+            swarm_key=cfg.swarm_key,
         )
         try:
             asyncio.run(self._serve())

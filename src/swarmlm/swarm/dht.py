@@ -10,7 +10,9 @@ from collections.abc import Sequence
 
 import hivemind
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from hivemind.utils.multiaddr import Multiaddr
 
+from swarmlm.errors import SwarmError
 from swarmlm.swarm.identity import PeerIdSignatureValidator, temporary_identity_file
 from swarmlm.swarm.private import SwarmKeyValidator
 from swarmlm.utils.processes import kill_group_when_orphaned
@@ -44,19 +46,26 @@ def start_dht(
     port: int = 0,
     client_mode: bool = False,
     swarm_key: bytes | None = None,
+    key: Ed25519PrivateKey | None = None,
+    announce_maddrs: Sequence[str] = (),
+    nat_traversal: bool | None = None,
 ) -> ParentBoundDHT:
-    """Start a DHT node; on a loopback host the NAT traversal and relay machinery of p2pd is turned off.
+    """Start a DHT node; on a loopback host (or with nat_traversal=False) the NAT traversal and relay machinery of
+    p2pd is turned off.
 
-    The node gets a fresh Ed25519 identity and validates every record it stores or reads: only the owner of a peer
-    id may write that peer id's entry (see swarm/identity.py). With swarm_key, it also stores and accepts only
-    records encrypted with that key (see swarm/private.py).
+    The node has the Ed25519 identity `key` (default: a fresh one) and validates every record it stores or reads:
+    only the owner of a peer id may write that peer id's entry (see swarm/identity.py). With swarm_key, it also
+    stores and accepts only records encrypted with that key (see swarm/private.py). announce_maddrs: the addresses
+    others should dial instead of the listening ones (a port forward, a proxy in front of this node).
     """
-    loopback = _is_loopback_host(host)
     ip = "ip6" if ":" in host else "ip4"
     kwargs: dict[str, object] = {}
-    if loopback:
+    traversal = not _is_loopback_host(host) if nat_traversal is None else nat_traversal
+    if not traversal:
         kwargs = dict(nat_port_map=False, auto_nat=False, use_relay=False, use_auto_relay=False)
-    key = Ed25519PrivateKey.generate()
+    if announce_maddrs:
+        kwargs["announce_maddrs"] = list(announce_maddrs)
+    key = key or Ed25519PrivateKey.generate()
     identity_path = temporary_identity_file(key)
     try:
         dht = ParentBoundDHT(
@@ -76,6 +85,19 @@ def start_dht(
         # p2pd has read the key once it runs; the key stays only in this process and the DHT's
         shutil.rmtree(identity_path.parent, ignore_errors=True)
     return dht
+
+
+def check_announce_maddrs(maddrs: Sequence[str]) -> None:
+    """Raise SwarmError unless every address is a multiaddr with an explicit TCP or UDP port."""
+    for maddr in maddrs:
+        try:
+            parsed = Multiaddr(maddr)
+        except Exception as e:  # noqa: BLE001 - the multiaddr parser raises assorted types for malformed text
+            raise SwarmError(f"--announce-maddrs: {maddr!r} is not a multiaddr: {e}") from e
+        protocols = {p.name for p in parsed.protocols()}
+        port = next((parsed.value_for_protocol(p) for p in ("tcp", "udp") if p in protocols), None)
+        if port in (None, "0"):
+            raise SwarmError(f"--announce-maddrs: {maddr!r} needs an explicit port, as in /ip4/203.0.113.7/tcp/31337")
 
 
 def _is_loopback_host(host: str) -> bool:

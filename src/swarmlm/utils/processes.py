@@ -61,11 +61,17 @@ def spawn_bound(args: Sequence[str], **popen_kwargs: Any) -> subprocess.Popen:
 
     The kernel ties the parent-death signal to the forking *thread*: a child forked by a short-lived thread would die
     with that thread. So every child is forked by one thread that lives as long as this process."""
+    return start_spawner().submit(_popen, list(args), popen_kwargs).result()
+
+
+def start_spawner() -> ThreadPoolExecutor:
+    """The one thread that forks children (started now if not yet: it inherits the calling thread's namespaces)."""
     global _spawner
     with _spawner_lock:
         if _spawner is None:
             _spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="swarmlm-spawner")
-    return _spawner.submit(_popen, list(args), popen_kwargs).result()
+            _spawner.submit(lambda: None).result()  # the thread starts on the first task
+        return _spawner
 
 
 def _popen(args: list[str], popen_kwargs: dict[str, Any]) -> subprocess.Popen:

@@ -1,0 +1,67 @@
+"""The client's own round-trip measurement of servers it has not called yet: one timed rpc_info each.
+
+Routing costs a hop by the round trip this client measured to the server (client/health.py). Before its first call
+to a server the client knows nothing, so a far replica would be as likely as a near one; a cheap rpc_info call timed
+by the client's clock tells them apart before the first route is chosen. A server that does not answer in time is
+recorded as that far away (and its failure is left to the real calls).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from hivemind.p2p import P2P, PeerID
+from hivemind.proto import runtime_pb2
+
+from swarmlm.protocol import service
+from swarmlm.protocol.codec import encode, read_only_message
+from swarmlm.protocol.messages import InfoRequest, ServerInfo
+
+logger = logging.getLogger(__name__)
+
+
+async def _info_request() -> AsyncIterator[runtime_pb2.ExpertRequest]:
+    for part in encode(InfoRequest(), [], runtime_pb2.ExpertRequest):
+        yield part
+
+
+async def time_info_call(p2p: P2P, peer: PeerID, timeout_s: float) -> float:
+    """Seconds one rpc_info round trip to `peer` takes (the connection is expected to be open already);
+    timeout_s if it takes longer or fails."""
+    began = time.perf_counter()
+    try:
+        async with asyncio.timeout(timeout_s):
+            replies = await service.stub(p2p, peer).rpc_info(_info_request())
+            async with contextlib.aclosing(replies):
+                if await read_only_message(replies, ServerInfo, max_bytes=0) is None:
+                    return timeout_s
+    except Exception as e:  # noqa: BLE001 - whatever fails, the server is as far as the deadline for routing
+        logger.debug("Timing rpc_info of ...%s failed: %r", peer.to_base58()[-6:], e)
+        return timeout_s
+    return time.perf_counter() - began
+
+
+async def measure_all(
+    peers: list[str],
+    connect: Callable[[str], Awaitable[PeerID]],
+    p2p: P2P,
+    timeout_s: float,
+    record: Callable[[str, float], None],
+) -> None:
+    """Time one rpc_info of each peer concurrently (after connecting to it) and record(peer, seconds)."""
+
+    async def one(peer_id: str) -> None:
+        try:
+            async with asyncio.timeout(timeout_s):
+                peer = await connect(peer_id)
+        except Exception as e:  # noqa: BLE001 - an unreachable server is recorded as far; real calls judge it
+            logger.debug("Connecting to ...%s failed: %r", peer_id[-6:], e)
+            record(peer_id, timeout_s)
+            return
+        record(peer_id, await time_info_call(p2p, peer, timeout_s))
+
+    await asyncio.gather(*(one(peer) for peer in peers))
