@@ -32,6 +32,7 @@ from swarmlm.server.peers import PeerLedger, PeerLimits
 from swarmlm.server.placement import Span, claimed_first, estimate_throughput, requested_span, should_move
 from swarmlm.server.transport import StreamLimits
 from swarmlm.server.validation import max_message_bytes
+from swarmlm.swarm.catalog import CatalogEntry, announce_entry
 from swarmlm.swarm.dht import start_dht, visible_maddrs
 from swarmlm.swarm.records import ServerRecord, ServerState, announce, fetch_servers
 
@@ -120,6 +121,10 @@ class Server:
         if not await announce(self.dht, self.dht_prefix, self.peer_id, record, self.config.record_ttl_s):
             logger.warning("Storing the DHT record (%s) failed; next try in %.0f s",
                            state, self.config.announce_interval_s)
+        entry = CatalogEntry(dht_prefix=self.dht_prefix, model=self.config.model,
+                             num_blocks=self.num_blocks_total, announced_at=get_dht_time())  # fmt: skip
+        if not await announce_entry(self.dht, self.peer_id, entry, self.config.record_ttl_s):
+            logger.warning("Storing the catalog entry failed; next try in %.0f s", self.config.announce_interval_s)
         return record
 
     async def _read_swarm(self) -> Mapping[str, ServerRecord]:
