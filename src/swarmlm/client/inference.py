@@ -108,6 +108,11 @@ class InferenceSession:
         self._active = active  # the owner's sessions open in `with` blocks (generate() uses the innermost)
 
     @property
+    def route(self) -> list[RouteSpan]:
+        """The servers holding this session's caches now, in block order (empty before the first step)."""
+        return [span_session.span for span_session in self._spans]
+
+    @property
     def position(self) -> int:
         """Tokens the session holds (processed by every block)."""
         return self._position
