@@ -35,7 +35,9 @@ class ApiOptions:
     port: int = 8000  # HTTP port (0: any free port)
     served_name: str | None = None  # the model's name in the API (default: the model argument's file name)
     dht_prefix: str | None = None  # swarm name (default: derived from the model)
-    max_concurrent: int = 32  # requests generating at once; more wait for their turn
+    # requests generating at once; more wait for their turn. Servers hold 16 sessions per peer by default
+    # (--max-sessions-per-peer), and this server is one peer to them
+    max_concurrent: int = 16
     missing_blocks_timeout_s: float = 10.0  # a request waits this long for missing blocks, then gets a 503
 
 

@@ -136,7 +136,8 @@ def _add_api_parsers(sub: argparse._SubParsersAction) -> None:
     api.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
     api.add_argument("--served-model-name", default=None, help="the model's name in the API")
     api.add_argument("--dht-prefix", default=None, help="swarm name (default: derived from the model)")
-    api.add_argument("--max-concurrent", type=int, default=32, help="requests generating at once")
+    api.add_argument("--max-concurrent", type=int, default=16,
+                     help="requests generating at once (servers allow 16 sessions per peer by default)")  # fmt: skip
     api.add_argument("--missing-blocks-timeout", type=float, default=10.0,
                      help="seconds a request waits for missing blocks before a 503")  # fmt: skip
     monitor = sub.add_parser("monitor", help="serve the swarm monitor page (no API)")
