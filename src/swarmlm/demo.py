@@ -47,7 +47,7 @@ def _serve_api(model_dir: str, name: str, initial_peers: list[str], port: int) -
 
     base = f"http://127.0.0.1:{port}"
     question = '"messages": [{"role": "user", "content": "What is the capital of France?"}]'
-    body = f'{{"model": "{name}", {question}}}'
+    body = f'{{"model": "{name}", {question}, "max_tokens": 64, "temperature": 0}}'
     curl = f"curl {base}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'"
     print(f"Monitor: {base}/   (Ctrl-C stops the API and the swarm)\nTry:\n  {curl}", flush=True)
     run_api(ApiOptions(model=model_dir, initial_peers=tuple(initial_peers), port=port,
