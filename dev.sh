@@ -6,7 +6,20 @@ cd "$(dirname "$0")"
 VENV="${SWARMLM_VENV:-.venv}"
 PY="$VENV/bin/python"
 
+browser() {
+    # the monitor's test drives Debian's chromium headless; install it where apt is available (CI runs as root)
+    if [ -x /usr/bin/chromium ] || ! command -v apt-get >/dev/null; then return; fi
+    local sudo=""
+    [ "$(id -u)" = 0 ] || sudo="sudo -n"
+    echo "Installing chromium for the monitor's browser test ..." >&2
+    if ! { $sudo env DEBIAN_FRONTEND=noninteractive apt-get update -qq &&
+           $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }; then
+        echo "warning: could not install chromium (needs root or sudo); the monitor's browser test will fail" >&2
+    fi
+}
+
 setup() {
+    browser
     # re-install only when the dependencies changed
     local stamp="$VENV/.installed"
     if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ]; then return; fi

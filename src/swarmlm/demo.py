@@ -19,13 +19,17 @@ CHAT_MAX_TOKENS = 2048
 
 def run_demo(
     prompt: str, num_servers: int = 2, max_new_tokens: int = 64, model: str = "smollm2-135m-instruct",
-    chat: bool = False,
+    chat: bool = False, api_port: int | None = None,
 ) -> None:  # fmt: skip
     model_dir = resolve_model(model)  # convert once here, before servers start, rather than in every server
     print(f"Starting {num_servers} local servers for {model} ...", flush=True)
     began = time.perf_counter()
     with start_even_swarm(str(model_dir), load_config(model_dir).num_hidden_layers, num_servers) as swarm:
         print(f"Swarm ready in {time.perf_counter() - began:.1f} s", flush=True)
+        if api_port is not None:
+            _serve_api(str(model_dir), model, swarm.initial_peers, api_port)
+            print("Swarm stopped.")
+            return
         with AutoDistributedModelForCausalLM.from_pretrained(
             str(model_dir), initial_peers=swarm.initial_peers
         ) as distributed:
@@ -35,6 +39,19 @@ def run_demo(
             else:
                 _answer(distributed, tokenizer, prompt, max_new_tokens)
     print("Swarm stopped.")
+
+
+def _serve_api(model_dir: str, name: str, initial_peers: list[str], port: int) -> None:
+    """The OpenAI-compatible API (and monitor) over the local swarm, in this process, until Ctrl-C."""
+    from swarmlm.api.service import ApiOptions, run_api
+
+    base = f"http://127.0.0.1:{port}"
+    question = '"messages": [{"role": "user", "content": "What is the capital of France?"}]'
+    body = f'{{"model": "{name}", {question}, "max_tokens": 64, "temperature": 0}}'
+    curl = f"curl {base}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'"
+    print(f"Monitor: {base}/   (Ctrl-C stops the API and the swarm)\nTry:\n  {curl}", flush=True)
+    run_api(ApiOptions(model=model_dir, initial_peers=tuple(initial_peers), port=port,
+                       served_name=name))  # fmt: skip
 
 
 # tokenizers are typed Any: the methods of transformers' tokenizers return unions that depend on their flags

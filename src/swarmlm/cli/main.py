@@ -130,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-new-tokens", type=int, default=64)
     demo.add_argument("--model", default=DEFAULT_MODEL, help="model to serve and chat with")
     demo.add_argument("--chat", action="store_true", help="chat interactively, keeping one session across turns")
+    demo.add_argument("--api", action="store_true", help="serve the OpenAI-compatible API (and monitor) on the swarm")
+    demo.add_argument("--api-port", type=int, default=8000, help="HTTP port of --api")
+    _add_api_parsers(sub)
     train = sub.add_parser("train", help="tune deep prompts on the shipped sentiment task through a swarm")
     train.add_argument("--model", default=DEFAULT_MODEL, help="model to tune")
     train.add_argument(
@@ -143,6 +146,48 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--lr", type=float, default=3e-3)
     train.add_argument("--save", default=None, metavar="DIR", help="save the trained prompts here")
     return parser
+
+
+def _add_api_parsers(sub: argparse._SubParsersAction) -> None:
+    api = sub.add_parser("api", help="serve an OpenAI-compatible HTTP API (and the monitor page) over a swarm")
+    api.add_argument("model", help=f"model name ({DEFAULT_MODEL}), .gguf file or Hugging Face folder")
+    api.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="multiaddrs of swarm peers")
+    api.add_argument("--host", default="127.0.0.1", help="HTTP interface (default: this machine only)")
+    api.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
+    api.add_argument("--served-model-name", default=None, help="the model's name in the API")
+    api.add_argument("--dht-prefix", default=None, help="swarm name (default: derived from the model)")
+    api.add_argument("--max-concurrent", type=int, default=16,
+                     help="requests generating at once (servers allow 16 sessions per peer by default)")  # fmt: skip
+    api.add_argument("--missing-blocks-timeout", type=float, default=10.0,
+                     help="seconds a request waits for missing blocks before a 503")  # fmt: skip
+    monitor = sub.add_parser("monitor", help="serve the swarm monitor page (no API)")
+    monitor.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="multiaddrs of peers")
+    monitor.add_argument("--host", default="127.0.0.1", help="HTTP interface (default: this machine only)")
+    monitor.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
+    status = sub.add_parser("status", help="print the swarm's models, coverage and servers")
+    status.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="multiaddrs of peers")
+
+
+def _api(args: argparse.Namespace) -> None:
+    from swarmlm.api.service import ApiOptions, run_api
+
+    run_api(ApiOptions(
+        model=args.model, initial_peers=tuple(args.initial_peers), host=args.host, port=args.port,
+        served_name=args.served_model_name, dht_prefix=args.dht_prefix, max_concurrent=args.max_concurrent,
+        missing_blocks_timeout_s=args.missing_blocks_timeout,
+    ))  # fmt: skip
+
+
+def _monitor(args: argparse.Namespace) -> None:
+    from swarmlm.api.service import run_monitor
+
+    run_monitor(tuple(args.initial_peers), args.host, args.port)
+
+
+def _status(args: argparse.Namespace) -> None:
+    from swarmlm.api.service import print_status
+
+    print_status(tuple(args.initial_peers))
 
 
 def _train(args: argparse.Namespace) -> None:
@@ -235,6 +280,7 @@ def _demo(args: argparse.Namespace) -> None:
         max_new_tokens=args.max_new_tokens,
         model=args.model,
         chat=args.chat,
+        api_port=args.api_port if args.api else None,
     )
 
 
@@ -248,7 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.verbose:
         logging.getLogger("hivemind").setLevel(logging.WARNING)
     try:
-        {"serve": _serve, "dht": _dht, "demo": _demo, "train": _train, "swarm-key": _new_swarm_key}[args.command](args)
+        commands = {"serve": _serve, "dht": _dht, "demo": _demo, "train": _train, "api": _api, "monitor": _monitor,
+                    "status": _status, "swarm-key": _new_swarm_key}  # fmt: skip
+        commands[args.command](args)
     except SwarmError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

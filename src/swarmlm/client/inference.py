@@ -163,6 +163,11 @@ class InferenceSession:
         self._on_trace = on_trace  # also told of each step's trace (the model's last_trace)
 
     @property
+    def route(self) -> list[RouteSpan]:
+        """The servers holding this session's caches now, in block order (empty before the first step)."""
+        return [span_session.span for span_session in self._spans]
+
+    @property
     def position(self) -> int:
         """Tokens the session holds (processed by every block)."""
         return self._position

@@ -36,6 +36,7 @@ from swarmlm.server.placement import Span, claimed_first, estimate_throughput, r
 from swarmlm.server.push import Pusher
 from swarmlm.server.transport import StreamLimits
 from swarmlm.server.validation import max_message_bytes
+from swarmlm.swarm.catalog import CatalogEntry, announce_entry
 from swarmlm.swarm.dht import check_announce_maddrs, start_dht, visible_maddrs
 from swarmlm.swarm.keyfile import load_or_create_identity
 from swarmlm.swarm.private import blind_prefix
@@ -151,6 +152,12 @@ class Server:
         if not await announce(self.dht, self.dht_prefix, self.peer_id, record, self.config.record_ttl_s):
             logger.warning("Storing the DHT record (%s) failed; next try in %.0f s",
                            state, self.config.announce_interval_s)
+        if self.config.swarm_key is not None:
+            return record  # a private swarm lists no model in the open catalog (its records are sealed)
+        entry = CatalogEntry(dht_prefix=self.dht_prefix, model=self.config.model,
+                             num_blocks=self.num_blocks_total, announced_at=get_dht_time())  # fmt: skip
+        if not await announce_entry(self.dht, self.peer_id, entry, self.config.record_ttl_s):
+            logger.warning("Storing the catalog entry failed; next try in %.0f s", self.config.announce_interval_s)
         return record
 
     async def _read_swarm(self) -> Mapping[str, ServerRecord]:

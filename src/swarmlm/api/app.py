@@ -1,0 +1,234 @@
+"""The HTTP front end: OpenAI-compatible routes over the Engine, and the monitor page with its JSON.
+
+Handlers only parse, check and format: generation lives in engine.py, the swarm's picture in monitor.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator
+from importlib import resources
+from typing import Any
+
+from aiohttp import web
+
+from swarmlm.api.engine import ContextTooLongError, Delta, Engine, SamplingParams, Usage
+from swarmlm.api.monitor import Monitor
+from swarmlm.api.schemas import ApiError, ChatRequest, CompletionRequest, _Request, parse_body
+from swarmlm.errors import BadRequestError, MissingBlocksError, SwarmError
+
+logger = logging.getLogger(__name__)
+
+# largest request body accepted (a long conversation is far smaller)
+MAX_BODY_BYTES = 4 << 20
+STATIC = resources.files("swarmlm.api") / "static"
+PAGES = {"/": ("index.html", "text/html"), "/monitor.js": ("monitor.js", "application/javascript"),
+         "/monitor.css": ("monitor.css", "text/css")}  # fmt: skip
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Every failure becomes an error reply in OpenAI's shape; none escapes to kill the server."""
+    try:
+        return await handler(request)
+    except ApiError as e:
+        return e.response()
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        kind = "not_found_error" if e.status == 404 else "invalid_request_error"
+        return ApiError(e.status, f"{e.reason}: {request.method} {request.path}", kind=kind).response()
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # noqa: BLE001 - an unexpected failure fails this request only
+        logger.exception("Request %s %s failed", request.method, request.path)
+        return ApiError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error").response()
+
+
+def swarm_error(error: Exception) -> ApiError:
+    """The reply for a failure while generating."""
+    if isinstance(error, ApiError):
+        return error
+    if isinstance(error, MissingBlocksError):
+        return ApiError(503, str(error), kind="service_unavailable", code="missing_blocks")
+    if isinstance(error, BadRequestError):
+        return ApiError(400, f"the servers refused the request: {error}")
+    if isinstance(error, SwarmError):
+        return ApiError(503, f"the swarm could not serve the request: {error}", kind="service_unavailable")
+    return ApiError(500, f"internal error: {type(error).__name__}: {error}", kind="server_error")
+
+
+class Routes:
+    """The routes of one server: the API when it has an engine, the monitor always."""
+
+    def __init__(self, engine: Engine | None, model_names: tuple[str, ...], monitor: Monitor):
+        self.engine, self.model_names, self.monitor = engine, model_names, monitor
+        self.created = int(time.time())
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[openai_errors], client_max_size=MAX_BODY_BYTES)
+        for path in PAGES:
+            app.router.add_get(path, self.page)
+        app.router.add_get("/api/v1/swarm", self.swarm)
+        if self.engine is not None:
+            app.router.add_get("/v1/models", self.models)
+            app.router.add_post("/v1/chat/completions", self.chat)
+            app.router.add_post("/v1/completions", self.completions)
+        return app
+
+    async def page(self, request: web.Request) -> web.Response:
+        name, content_type = PAGES[request.path]
+        return web.Response(body=(STATIC / name).read_bytes(), content_type=content_type)
+
+    async def swarm(self, request: web.Request) -> web.Response:
+        try:
+            return web.json_response(await self.monitor.snapshot())
+        except TimeoutError as e:
+            raise ApiError(503, "the DHT did not answer in time", kind="service_unavailable") from e
+
+    async def models(self, request: web.Request) -> web.Response:
+        data = [{"id": self.model_names[0], "object": "model", "created": self.created, "owned_by": "swarmlm"}]
+        return web.json_response({"object": "list", "data": data})
+
+    def _engine(self, body: _Request) -> Engine:
+        if self.engine is None:
+            raise ApiError(404, "this server has no model")
+        if body.model not in self.model_names:
+            message = f"The model '{body.model}' does not exist; this server serves '{self.model_names[0]}'."
+            raise ApiError(404, message, param="model", code="model_not_found")
+        return self.engine
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = parse_body(await request.read(), ChatRequest)
+        engine = self._engine(body)
+        try:
+            prompt = engine.chat_prompt([message.as_template_input() for message in body.messages])
+        except Exception as e:  # noqa: BLE001 - the template rejects a conversation its own way (jinja errors)
+            raise ApiError(400, f"The chat template rejected the messages: {e}", param="messages") from e
+        return await self._complete(request, body, prompt, body.new_tokens(), chat=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = parse_body(await request.read(), CompletionRequest)
+        engine = self._engine(body)
+        return await self._complete(request, body, engine.text_prompt(body.text()), body.max_tokens, chat=False)
+
+    async def _complete(
+        self, request: web.Request, body: _Request, prompt: list[int], new_tokens: int | None, chat: bool
+    ) -> web.StreamResponse:
+        engine = self._engine(body)
+        try:
+            max_new_tokens = engine.check_fits(len(prompt), new_tokens)
+        except ContextTooLongError as e:
+            raise ApiError(400, str(e), param="messages" if chat else "prompt", code="context_length_exceeded") from e
+        except ValueError as e:
+            raise ApiError(400, str(e)) from e
+        params = SamplingParams(max_new_tokens, body.temperature, body.top_p, body.stop_strings(), body.seed, body.n)
+        reply = Reply(chat, body.model, body.n, body.include_usage())
+        usage: list[Usage] = []
+        async with contextlib.aclosing(engine.stream(prompt, params, usage)) as deltas:
+            try:
+                first = await anext(deltas, None)  # errors before the first token get a plain error reply
+            except Exception as e:  # noqa: BLE001 - mapped to its HTTP status
+                raise swarm_error(e) from e
+            if not body.stream:
+                return await self._whole(reply, first, deltas, usage)
+            return await self._stream(request, reply, first, deltas, usage)
+
+    async def _whole(
+        self, reply: Reply, first: Delta | None, deltas: AsyncGenerator[Delta], usage: list[Usage]
+    ) -> web.Response:
+        texts, reasons = [""] * reply.n, list[str | None]([None] * reply.n)
+        try:
+            rest = [delta async for delta in deltas]
+        except Exception as e:  # noqa: BLE001 - mapped to its HTTP status
+            raise swarm_error(e) from e
+        for delta in ([first] if first else []) + rest:
+            texts[delta.index] += delta.text
+            reasons[delta.index] = delta.finish_reason or reasons[delta.index]
+        return web.json_response(reply.whole(texts, reasons, usage[0] if usage else Usage(0, 0)))
+
+    async def _stream(
+        self,
+        request: web.Request,
+        reply: Reply,
+        first: Delta | None,
+        deltas: AsyncGenerator[Delta],
+        usage: list[Usage],
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        for chunk in reply.opening():
+            await _send(response, chunk)
+        try:
+            if first is not None:
+                await _send(response, reply.chunk(first))
+            async for delta in deltas:
+                await _send(response, reply.chunk(delta))
+            if reply.include_usage and usage:
+                await _send(response, reply.usage_chunk(usage[0]))
+        except (ConnectionError, asyncio.CancelledError):
+            raise  # the client went away: aclosing() stops the generation and closes its session
+        except Exception as e:  # noqa: BLE001 - headers are sent: the error travels as an event
+            await _send(response, swarm_error(e).body())
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+async def _send(response: web.StreamResponse, data: dict[str, Any]) -> None:
+    await response.write(b"data: " + json.dumps(data).encode() + b"\n\n")
+
+
+class Reply:
+    """The JSON bodies of one request's answer, in the shape of its endpoint."""
+
+    def __init__(self, chat: bool, model: str, n: int, include_usage: bool):
+        self.chat, self.model, self.n, self.include_usage = chat, model, n, include_usage
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    def _envelope(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        body = {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+        if chunk and self.include_usage:
+            body["usage"] = None
+        return body
+
+    def opening(self) -> list[dict[str, Any]]:
+        """Chat streams first tell each choice's role."""
+        if not self.chat:
+            return []
+        return [self._envelope([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
+                                 "logprobs": None}], chunk=True) for i in range(self.n)]  # fmt: skip
+
+    def chunk(self, delta: Delta) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": delta.index, "finish_reason": delta.finish_reason, "logprobs": None}
+        if self.chat:
+            choice["delta"] = {"content": delta.text} if delta.text else {}
+        else:
+            choice["text"] = delta.text
+        return self._envelope([choice], chunk=True)
+
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
+        return {**self._envelope([], chunk=True), "usage": _usage(usage)}
+
+    def whole(self, texts: list[str], reasons: list[str | None], usage: Usage) -> dict[str, Any]:
+        choices = []
+        for index, (text, reason) in enumerate(zip(texts, reasons, strict=True)):
+            choice: dict[str, Any] = {"index": index, "finish_reason": reason, "logprobs": None}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            choices.append(choice)
+        return {**self._envelope(choices, chunk=False), "usage": _usage(usage)}
+
+
+def _usage(usage: Usage) -> dict[str, int]:
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens}  # fmt: skip

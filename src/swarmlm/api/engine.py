@@ -1,0 +1,268 @@
+"""Completions for the HTTP API: one inference session per request, tokens decoded and streamed as text deltas.
+
+Requests run on worker threads (the client's sync edge): each opens its own session through the swarm, so concurrent
+requests reach the servers together and their decode steps batch there. A request's choices (n) are the rows of one
+session. Cancelling a stream (a client that went away) stops its decoding at the next token and closes its session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncGenerator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from swarmlm.client.model import DistributedCausalLMMixin
+
+logger = logging.getLogger(__name__)
+
+# how many finished requests the monitor's latency table keeps
+RECENT_REQUESTS = 20
+
+
+class ContextTooLongError(ValueError):
+    """The prompt plus the tokens asked for do not fit the model's context."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int  # tokens generated per choice at most
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0  # nucleus sampling: smallest set of tokens whose probability reaches top_p
+    stop: tuple[str, ...] = ()  # the text ends before the first of these
+    seed: int | None = None  # same seed, same request: same text
+    n: int = 1  # choices, generated as the rows of one session
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New text of one choice; finish_reason ("stop" or "length") on its last delta."""
+
+    index: int
+    text: str
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class RequestStats:
+    """One finished request, as the monitor shows it."""
+
+    finished_at: float  # unix time
+    time_to_first_token_s: float | None
+    completion_tokens: int
+    duration_s: float
+    outcome: str  # "ok", "cancelled" or the error's class name
+
+
+class ChoiceText:
+    """The text of one choice as its tokens arrive: held back while it may still turn into a stop string or ends
+    inside a multi-byte character; cut before the first stop string."""
+
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...], eos_ids: frozenset[int]):
+        self.tokenizer, self.stop, self.eos_ids = tokenizer, stop, eos_ids
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.tokens: list[int] = []
+        self.emitted = 0  # characters of the text already handed out
+        self.finish_reason: str | None = None
+
+    def add(self, token: int) -> str:
+        """Text newly safe to hand out after `token` (sets finish_reason when the choice ends)."""
+        self.tokens.append(token)
+        if token in self.eos_ids:
+            self.finish_reason = "stop"
+            return self._flush(self._text())
+        text = self._text()
+        search_from = max(0, self.emitted - self.hold)
+        cuts = [i for i in (text.find(s, search_from) for s in self.stop) if i >= 0]
+        if cuts:
+            self.finish_reason = "stop"
+            return self._flush(text[: min(cuts)])
+        if text.endswith("\ufffd"):  # the last token ends inside a character: wait for the rest
+            return ""
+        safe = max(self.emitted, len(text) - self.hold)
+        new, self.emitted = text[self.emitted : safe], safe
+        return new
+
+    def finish(self, reason: str) -> str:
+        self.finish_reason = reason
+        return self._flush(self._text())
+
+    def _text(self) -> str:
+        return self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+
+    def _flush(self, text: str) -> str:
+        new, self.emitted = text[self.emitted :], len(text)
+        return new
+
+
+def next_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
+    """(rows, vocab) logits -> (rows,) token ids: argmax at temperature 0, else nucleus sampling."""
+    if params.temperature == 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # keep a token while the tokens before it sum to less than top_p (the first one always stays)
+        drop = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p
+        sorted_probs[drop] = 0.0
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+_END = object()
+
+
+@dataclass
+class Engine:
+    """The model, its tokenizer and the worker threads that run requests through the swarm."""
+
+    model: DistributedCausalLMMixin
+    tokenizer: Any  # transformers' tokenizers return unions that depend on their flags
+    context_tokens: int  # the model's context: prompt plus new tokens must fit
+    max_workers: int  # requests generating at once; more wait for a worker
+    recent: deque[RequestStats] = field(default_factory=lambda: deque(maxlen=RECENT_REQUESTS))
+    route: list[tuple[str, int, int]] = field(default_factory=list)  # (peer, start, end) of the last session opened
+
+    def __post_init__(self) -> None:
+        self.executor = ThreadPoolExecutor(self.max_workers, thread_name_prefix="swarmlm-api")
+        eos = self.model.generation_config.eos_token_id
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a conversation rendered by the model's chat template, ready for the assistant's answer."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template: use /v1/completions")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
+        return list(ids["input_ids"])
+
+    def text_prompt(self, text: str) -> list[int]:
+        return list(self.tokenizer(text)["input_ids"])
+
+    def check_fits(self, prompt_tokens: int, max_new_tokens: int | None) -> int:
+        """The number of new tokens to generate: max_new_tokens, or by default what is left of the context."""
+        if prompt_tokens == 0:
+            raise ValueError("the prompt is empty")
+        left = self.context_tokens - prompt_tokens
+        if max_new_tokens is None:
+            if left < 1:
+                raise ContextTooLongError(
+                    f"This model's maximum context length is {self.context_tokens} tokens; "
+                    f"the prompt has {prompt_tokens} tokens."
+                )
+            return left
+        if max_new_tokens > left:
+            raise ContextTooLongError(
+                f"This model's maximum context length is {self.context_tokens} tokens. However, you requested "
+                f"{prompt_tokens + max_new_tokens} tokens ({prompt_tokens} in the prompt, {max_new_tokens} for the "
+                "completion). Please reduce the prompt or the completion length."
+            )
+        return max_new_tokens
+
+    async def stream(self, prompt: list[int], params: SamplingParams, usage: list[Usage]) -> AsyncGenerator[Delta]:
+        """The choices' text deltas as they are generated; `usage` gets the token counts at the end. Closing the
+        iterator early (the client went away) stops the generation and closes its session."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[object] = asyncio.Queue()
+        cancelled = threading.Event()
+
+        def emit(item: object) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is gone: the server is shutting down
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+
+        began = time.perf_counter()
+        stats: dict[str, Any] = {"first": None, "tokens": 0, "outcome": "cancelled"}
+        loop.run_in_executor(self.executor, self._run, prompt, params, emit, cancelled, stats)
+        try:
+            while True:
+                item = await queue.get()
+                if item is _END:
+                    return
+                if isinstance(item, Usage):
+                    usage.append(item)
+                elif isinstance(item, BaseException):
+                    raise item
+                elif isinstance(item, Delta):
+                    yield item
+        finally:
+            cancelled.set()
+            first = stats["first"]
+            self.recent.append(RequestStats(
+                time.time(), None if first is None else first - began, stats["tokens"],
+                time.perf_counter() - began, stats["outcome"],
+            ))  # fmt: skip
+
+    def _run(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        emit: Callable[[object], None],
+        cancelled: threading.Event,
+        stats: dict[str, Any],
+    ) -> None:
+        """Generate on this worker thread; every result and error goes through emit, then _END."""
+        try:
+            with torch.inference_mode():
+                self._generate(prompt, params, emit, cancelled, stats)
+            if not cancelled.is_set():
+                stats["outcome"] = "ok"
+        except Exception as e:  # noqa: BLE001 - any failure is the request's, handed to its handler
+            stats["outcome"] = type(e).__name__
+            if not cancelled.is_set():
+                logger.info("A request failed: %s", e)
+            emit(e)
+        finally:
+            emit(_END)
+
+    def _generate(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        emit: Callable[[object], None],
+        cancelled: threading.Event,
+        stats: dict[str, Any],
+    ) -> None:
+        generator = torch.Generator().manual_seed(random.getrandbits(63) if params.seed is None else params.seed)
+        choices = [ChoiceText(self.tokenizer, params.stop, self.eos_ids) for _ in range(params.n)]
+        ids = torch.tensor([prompt] * params.n, dtype=torch.long)  # (n, tokens)
+        with self.model.inference_session(max_length=len(prompt) + params.max_new_tokens) as session:
+            for _ in range(params.max_new_tokens):
+                if cancelled.is_set():
+                    return
+                logits = self.model(input_ids=ids, session=session).logits[:, -1, :]  # (n, vocab)
+                if stats["first"] is None:
+                    stats["first"] = time.perf_counter()
+                    self.route = [(span.peer_id, span.start, span.end) for span in session.route]
+                chosen = next_tokens(logits, params, generator)
+                for index, choice in enumerate(choices):
+                    if choice.finish_reason is None:
+                        stats["tokens"] += 1
+                        text = choice.add(int(chosen[index]))
+                        if text or choice.finish_reason:
+                            emit(Delta(index, text, choice.finish_reason))
+                if all(choice.finish_reason for choice in choices):
+                    break
+                ids = torch.cat([ids, chosen[:, None]], dim=1)
+        for index, choice in enumerate(choices):
+            if choice.finish_reason is None:
+                emit(Delta(index, choice.finish("length"), "length"))
+        emit(Usage(len(prompt), stats["tokens"]))
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,218 @@
+"""The swarm as the monitor shows it: every model in the catalog, its coverage block by block, and its servers.
+
+Records say what servers claim; a server that crashed keeps its record until it expires. The monitor therefore also
+asks every announced server for its info (rpc_info) at each refresh: one that does not answer is shown unreachable
+and leaves a gap in its model's coverage at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import hivemind
+from hivemind.p2p import P2P, PeerID
+from hivemind.proto import runtime_pb2
+
+from swarmlm.client.sequence_manager import dial
+from swarmlm.protocol import service
+from swarmlm.protocol.codec import encode, read_only_message
+from swarmlm.protocol.messages import InfoRequest, ServerInfo
+from swarmlm.swarm.catalog import fetch_catalog
+from swarmlm.swarm.records import ServerRecord, ServerState, fetch_servers
+
+logger = logging.getLogger(__name__)
+
+# the page asks for a new snapshot this often; snapshots younger than half of it are shared between viewers
+REFRESH_S = 2.0
+# a server that does not answer rpc_info within this time is shown unreachable
+PROBE_TIMEOUT_S = 2.0
+# bound on each DHT read of a snapshot
+DHT_TIMEOUT_S = 5.0
+
+
+def short_id(peer_id: str) -> str:
+    return f"...{peer_id[-6:]}"
+
+
+async def _info_request() -> AsyncIterator[runtime_pb2.ExpertRequest]:
+    for part in encode(InfoRequest(), [], runtime_pb2.ExpertRequest):
+        yield part
+
+
+class Monitor:
+    """Snapshots of the swarm read through `dht`; `client` adds what a local client knows (its route, latencies)."""
+
+    def __init__(self, dht: hivemind.DHT, client: Callable[[], dict[str, Any] | None] = lambda: None):
+        self.dht, self.client = dht, client
+        self._p2p: P2P | None = None
+        self._seen: dict[str, float] = {}  # peer -> unix time it last answered rpc_info
+        self._infos: dict[str, ServerInfo] = {}  # peer -> its last answer
+        self._last: tuple[float, dict[str, Any]] | None = None
+        self._lock = asyncio.Lock()
+
+    async def snapshot(self) -> dict[str, Any]:
+        """The swarm now (shared with other viewers when younger than half the refresh period)."""
+        async with self._lock:
+            if self._last is None or time.monotonic() - self._last[0] > REFRESH_S / 2:
+                self._last = (time.monotonic(), await self._read())
+            return self._last[1]
+
+    async def _read(self) -> dict[str, Any]:
+        async with asyncio.timeout(DHT_TIMEOUT_S):
+            catalog = await fetch_catalog(self.dht)
+        models: dict[str, tuple[str, int]] = {}  # dht prefix -> (model name, blocks)
+        for entry in catalog.values():
+            name, blocks = models.get(entry.dht_prefix, (entry.model, 0))
+            models[entry.dht_prefix] = (name, max(blocks, entry.num_blocks))
+        described = []
+        for prefix, (name, num_blocks) in sorted(models.items()):
+            async with asyncio.timeout(DHT_TIMEOUT_S):
+                records = await fetch_servers(self.dht, prefix)
+            reachable = await self._probe(records)
+            described.append(describe_model(name, prefix, num_blocks, records, reachable, self._seen))
+        return {"generated_at": time.time(), "refresh_s": REFRESH_S, "models": described, "client": self.client()}
+
+    async def _probe(self, records: dict[str, ServerRecord]) -> dict[str, bool]:
+        """Which of the servers (all but those announced offline) answer rpc_info now."""
+        peers = [peer for peer, record in records.items() if record.state != ServerState.OFFLINE]
+        answers = await asyncio.gather(*(self._ask(peer, records[peer]) for peer in peers))
+        return dict(zip(peers, answers, strict=True))
+
+    async def _ask(self, peer_id: str, record: ServerRecord) -> bool:
+        try:
+            async with asyncio.timeout(PROBE_TIMEOUT_S):
+                if self._p2p is None:
+                    self._p2p = await self.dht.replicate_p2p()
+                peer = PeerID.from_base58(peer_id)
+                if record.addrs:
+                    await dial(self._p2p, peer, list(record.addrs))
+                replies = await service.stub(self._p2p, peer).rpc_info(_info_request())
+                async with contextlib.aclosing(replies):
+                    message = await read_only_message(replies, ServerInfo, max_bytes=0)
+        except Exception as e:  # noqa: BLE001 - whatever fails, the server did not answer: that is what is shown
+            logger.debug("Server %s did not answer rpc_info: %r", short_id(peer_id), e)
+            return False
+        if message is None:
+            return False
+        self._infos[peer_id], self._seen[peer_id] = message[0], time.time()
+        return True
+
+    async def close(self) -> None:
+        if self._p2p is not None:
+            with contextlib.suppress(Exception):
+                await self._p2p.shutdown()
+
+
+def describe_model(
+    name: str,
+    prefix: str,
+    num_blocks: int,
+    records: dict[str, ServerRecord],
+    reachable: dict[str, bool],
+    seen: dict[str, float],
+) -> dict[str, Any]:
+    """One model of the snapshot: coverage per block by the online servers that answer, and the server table."""
+    num_blocks = max([num_blocks, *(record.end for record in records.values())])
+    servers_per_block, throughput = [0] * num_blocks, [0.0] * num_blocks
+    rows = []
+    now = time.time()
+    for peer, record in sorted(records.items(), key=lambda item: (item[1].start, item[1].end, item[0])):
+        state = record.state.value
+        if record.state != ServerState.OFFLINE and not reachable.get(peer, False):
+            state = "unreachable"
+        if state == ServerState.ONLINE.value:
+            for block in range(record.start, min(record.end, num_blocks)):
+                servers_per_block[block] += 1
+                throughput[block] += record.throughput
+        rows.append({
+            "peer_id": peer,
+            "short_id": short_id(peer),
+            "start": record.start,
+            "end": record.end,
+            "state": state,
+            "version": record.version,
+            "dtype": record.dtype,
+            "throughput": round(record.throughput, 1),
+            "inference_throughput": None if record.inference_throughput is None else round(
+                record.inference_throughput, 1),
+            "sessions_open": record.sessions_open,
+            "cache_tokens_left": record.cache_tokens_left,
+            "cache_tokens_total": record.cache_tokens_total,
+            "last_seen_s": round(now - seen[peer], 1) if peer in seen else None,
+        })  # fmt: skip
+    missing = [block for block, count in enumerate(servers_per_block) if count == 0]
+    return {
+        "name": name,
+        "dht_prefix": prefix,
+        "num_blocks": num_blocks,
+        "complete": not missing,
+        "missing_blocks": missing,
+        "blocks": [
+            {"servers": count, "throughput": round(total, 1)}
+            for count, total in zip(servers_per_block, throughput, strict=True)
+        ],
+        "servers": rows,
+    }
+
+
+def format_status(snapshot: dict[str, Any]) -> str:
+    """The snapshot as terminal text: per model a coverage line and a table of servers."""
+    lines: list[str] = []
+    if not snapshot["models"]:
+        lines.append("No model is served in this swarm (no server announces one).")
+    for model in snapshot["models"]:
+        missing = model["missing_blocks"]
+        verdict = "complete" if not missing else f"MISSING blocks {ranges(missing)}"
+        lines.append(f"Model {model['name']} (swarm {model['dht_prefix']!r}): {model['num_blocks']} blocks, {verdict}")
+        bar = "".join("#" if block["servers"] > 1 else "=" if block["servers"] else "." for block in model["blocks"])
+        lines.append(f"  coverage [{bar}]  (# 2+ servers, = one, . none)")
+        lines.append(_table(model["servers"]))
+        lines.append("")
+    client = snapshot.get("client")
+    if client:
+        route = " -> ".join(f"{hop['short_id']}[{hop['start']}:{hop['end']}]" for hop in client["route"]) or "-"
+        lines.append(f"This client's route: {route}")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+HEADERS = ("peer", "blocks", "state", "version", "tokens/s", "sessions", "cache free", "last seen")
+
+
+def _table(servers: list[dict[str, Any]]) -> str:
+    rows = [HEADERS] + [
+        (
+            server["short_id"],
+            f"{server['start']}:{server['end']}",
+            server["state"],
+            server["version"] or "?",
+            f"{server['throughput']:.0f}",
+            str(server["sessions_open"]),
+            _cache(server),
+            "-" if server["last_seen_s"] is None else f"{server['last_seen_s']:.0f} s ago",
+        )
+        for server in servers
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(HEADERS))]
+    return "\n".join("  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+                     for row in rows)  # fmt: skip
+
+
+def _cache(server: dict[str, Any]) -> str:
+    left, total = server["cache_tokens_left"], server["cache_tokens_total"]
+    return "?" if left is None else f"{left}/{total}"
+
+
+def ranges(blocks: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    parts: list[str] = []
+    for block in blocks:
+        if parts and block == int(parts[-1].split("-")[-1]) + 1:
+            parts[-1] = f"{parts[-1].split('-')[0]}-{block}"
+        else:
+            parts.append(str(block))
+    return ", ".join(parts)

@@ -1,0 +1,143 @@
+"""Running the HTTP server: `swarmlm api` (the OpenAI-compatible API and the monitor) and `swarmlm monitor`;
+`swarmlm status` prints the monitor's picture once."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from swarmlm.api.app import Routes
+from swarmlm.api.engine import Engine
+from swarmlm.api.monitor import Monitor, format_status, short_id
+from swarmlm.client.model import AutoDistributedModelForCausalLM, DistributedCausalLMMixin
+from swarmlm.models.loading import load_config, load_tokenizer, resolve_model
+from swarmlm.swarm.dht import is_loopback_maddr, start_dht
+
+logger = logging.getLogger(__name__)
+
+READY_LINE = "API ready: "  # then the base URL; tests and the demo wait for it
+MONITOR_READY_LINE = "Monitor ready: "
+
+
+@dataclass(frozen=True)
+class ApiOptions:
+    model: str  # model name, .gguf file or Hugging Face folder (its blocks served by the swarm)
+    initial_peers: tuple[str, ...]  # multiaddrs of swarm peers
+    host: str = "127.0.0.1"  # interface the HTTP server listens on
+    port: int = 8000  # HTTP port (0: any free port)
+    served_name: str | None = None  # the model's name in the API (default: the model argument's file name)
+    dht_prefix: str | None = None  # swarm name (default: derived from the model)
+    # requests generating at once; more wait for their turn. Servers hold 16 sessions per peer by default
+    # (--max-sessions-per-peer), and this server is one peer to them
+    max_concurrent: int = 16
+    missing_blocks_timeout_s: float = 10.0  # a request waits this long for missing blocks, then gets a 503
+
+
+def served_names(model: str, served_name: str | None) -> tuple[str, ...]:
+    """The names clients may ask for: the chosen name first, then the model argument itself."""
+    default = Path(model).name.removesuffix(".gguf") if os.sep in model or model.endswith(".gguf") else model
+    return tuple(dict.fromkeys([served_name or default, model]))
+
+
+def client_info(model: DistributedCausalLMMixin, engine: Engine) -> dict[str, Any]:
+    """What this server's own client knows: the route of its last session and its recent requests."""
+    manager = model._client().manager
+    route = []
+    for peer, start, end in engine.route:
+        record = manager.servers.get(peer)
+        measured = manager.health.measured(peer, record.throughput if record else 0.0)
+        step_ms = None if measured is None else 1000 * (measured[0] + (end - start) / measured[1])
+        route.append({"peer_id": peer, "short_id": short_id(peer), "start": start, "end": end,
+                      "step_ms": None if step_ms is None else round(step_ms, 1)})  # fmt: skip
+    now = time.time()
+    recent = [
+        {
+            "age_s": round(now - stats.finished_at, 1),
+            "ttft_ms": None if stats.time_to_first_token_s is None else round(1000 * stats.time_to_first_token_s, 1),
+            "tokens": stats.completion_tokens,
+            "tokens_per_s": round(stats.completion_tokens / stats.duration_s, 1) if stats.duration_s > 0 else None,
+            "outcome": stats.outcome,
+        }
+        for stats in reversed(engine.recent)
+    ]
+    return {"route": route, "recent": recent}
+
+
+def run_api(options: ApiOptions) -> None:
+    """Serve the API until SIGINT/SIGTERM."""
+    model_dir = resolve_model(options.model)
+    names = served_names(options.model, options.served_name)
+    extra = {"dht_prefix": options.dht_prefix} if options.dht_prefix else {}
+    with AutoDistributedModelForCausalLM.from_pretrained(
+        str(model_dir), initial_peers=list(options.initial_peers),
+        missing_blocks_timeout_s=options.missing_blocks_timeout_s, **extra,
+    ) as model:  # fmt: skip
+        config = load_config(model_dir)
+        engine = Engine(model, load_tokenizer(model_dir), config.max_position_embeddings, options.max_concurrent)
+        manager = model._client().manager
+        if manager.dht is None:
+            raise RuntimeError("the model's client has no DHT")
+        monitor = Monitor(manager.dht, lambda: client_info(model, engine))
+        try:
+            asyncio.run(_serve(Routes(engine, names, monitor), monitor, options.host, options.port, READY_LINE))
+        finally:
+            engine.close()
+
+
+def run_monitor(initial_peers: tuple[str, ...], host: str, port: int) -> None:
+    """Serve the monitor page of a swarm (no model, no API) until SIGINT/SIGTERM."""
+    dht = _client_dht(initial_peers)
+    try:
+        monitor = Monitor(dht)
+        asyncio.run(_serve(Routes(None, (), monitor), monitor, host, port, MONITOR_READY_LINE))
+    finally:
+        dht.shutdown()
+
+
+def print_status(initial_peers: tuple[str, ...]) -> None:
+    """Print the swarm's models, coverage and servers once."""
+    dht = _client_dht(initial_peers)
+    try:
+
+        async def once() -> dict[str, Any]:
+            monitor = Monitor(dht)
+            try:
+                return await monitor.snapshot()
+            finally:
+                await monitor.close()
+
+        print(format_status(asyncio.run(once())), end="")
+    finally:
+        dht.shutdown()
+
+
+def _client_dht(initial_peers: tuple[str, ...]) -> Any:
+    host = "127.0.0.1" if initial_peers and all(is_loopback_maddr(p) for p in initial_peers) else "0.0.0.0"
+    return start_dht(initial_peers, host=host, client_mode=True)
+
+
+async def _serve(routes: Routes, monitor: Monitor, host: str, port: int, ready_line: str) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    # a client that disconnects cancels its handler at once: its generation stops and its session closes
+    runner = web.AppRunner(routes.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        bound = runner.addresses[0]
+        print(f"{ready_line}http://{host}:{bound[1]}", flush=True)
+        await stop.wait()
+    finally:
+        await monitor.close()
+        await runner.cleanup()

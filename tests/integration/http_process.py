@@ -1,0 +1,51 @@
+"""Real `swarmlm api` / `swarmlm monitor` processes for tests: bound to the test process, stopped by SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from swarmlm.utils.processes import spawn_bound
+
+SWARMLM = [sys.executable, "-m", "swarmlm.cli.main"]
+# loading the client's parts of SmolLM2 and joining the DHT takes a few seconds; generous on a busy machine
+START_TIMEOUT_S = 120.0
+
+
+@contextmanager
+def http_process(args: list[str], ready_line: str) -> Iterator[str]:
+    """Run `swarmlm ARGS` until its ready line and yield the base URL it prints; its output is echoed on failure."""
+    process = spawn_bound([*SWARMLM, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    ready = threading.Event()
+    url: list[str] = []
+
+    def pump() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            lines.append(line)
+            if line.startswith(ready_line) and not ready.is_set():
+                url.append(line[len(ready_line) :].strip())
+                ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not ready.wait(0.2):
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"`swarmlm {args[0]}` did not start:\n{''.join(lines[-40:])}")
+        yield url[0]
+        assert process.poll() is None, f"`swarmlm {args[0]}` died:\n{''.join(lines[-40:])}"
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()

@@ -1,0 +1,270 @@
+"""The OpenAI-compatible API (`swarmlm api`) over a real swarm of the bundled SmolLM2, driven by the official `openai`
+client: answers equal local greedy generation, streams, stop strings, n, concurrency, disconnects and bad requests."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from swarmlm.api.service import READY_LINE
+from swarmlm.local_swarm import LocalSwarm
+from tests.conftest import connected_model, load_reference, running_swarm
+from tests.integration.http_process import http_process
+
+NAME = "smollm2-135m-instruct"
+QUESTIONS = [
+    "What is the capital of France?", "Name three primary colors.", "Why is the sky blue?", "What is 12 times 12?",
+    "Who wrote Hamlet?", "What do bees make?", "How many legs has a spider?", "What is the boiling point of water?",
+]  # fmt: skip
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm_dir: Path) -> Any:
+    return AutoTokenizer.from_pretrained(smollm_dir)
+
+
+@pytest.fixture(scope="module")
+def local_answer(smollm_dir: Path, tokenizer: Any) -> Any:
+    """Local greedy generation of the same model: (text, finish reason, tokens) of a conversation or a raw prompt."""
+    reference = load_reference(smollm_dir)
+    cache: dict[tuple[str, bool, int], tuple[str, str, int]] = {}
+
+    def answer(text: str, chat: bool = True, new_tokens: int = NEW_TOKENS) -> tuple[str, str, int]:
+        key = (text, chat, new_tokens)
+        if key not in cache:
+            if chat:
+                text = tokenizer.apply_chat_template(
+                    [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+                )
+            ids = tokenizer(text, return_tensors="pt", add_special_tokens=not chat).input_ids
+            with torch.inference_mode():
+                out = reference.generate(ids, max_new_tokens=new_tokens, do_sample=False)[0, ids.shape[1] :]
+            reason = "stop" if out[-1].item() == tokenizer.eos_token_id else "length"
+            cache[key] = (tokenizer.decode(out, skip_special_tokens=True), reason, len(out))
+        return cache[key]
+
+    return answer
+
+
+@pytest.fixture(scope="module")
+def swarm(smollm_dir: Path) -> Iterator[LocalSwarm]:
+    with running_swarm(smollm_dir, [(0, 15), (15, 30)]) as swarm:
+        yield swarm
+
+
+@pytest.fixture(scope="module")
+def api_url(smollm_dir: Path, swarm: LocalSwarm) -> Iterator[str]:
+    args = ["api", str(smollm_dir), "--served-model-name", NAME, "--port", "0"]
+    args += ["--initial-peers", *swarm.initial_peers]
+    with http_process(args, READY_LINE) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(api_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{api_url}/v1", api_key="not-needed", max_retries=0, timeout=120)
+
+
+def ask(client: openai.OpenAI, question: str, **kwargs: Any) -> Any:
+    kwargs.setdefault("max_tokens", NEW_TOKENS)
+    kwargs.setdefault("temperature", 0)
+    return client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": question}], **kwargs)
+
+
+def post(url: str, body: bytes, method: str = "POST") -> tuple[int, dict[str, Any]]:
+    request = urllib.request.Request(url, data=body, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
+    assert [model.id for model in client.models.list()] == [NAME]
+
+
+def test_chat_completion_equals_local_greedy(client: openai.OpenAI, local_answer: Any, tokenizer: Any) -> None:
+    reply = ask(client, QUESTIONS[0])
+    text, reason, tokens = local_answer(QUESTIONS[0])
+    assert reply.choices[0].message.content == text and reply.choices[0].finish_reason == reason
+    assert reply.choices[0].message.role == "assistant" and reply.object == "chat.completion"
+    conversation = [{"role": "user", "content": QUESTIONS[0]}]
+    prompt = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, return_dict=True)["input_ids"]
+    assert reply.usage.prompt_tokens == len(prompt) and reply.usage.completion_tokens == tokens
+    assert reply.usage.total_tokens == len(prompt) + tokens
+
+
+def test_streaming_yields_the_same_text_then_done(client: openai.OpenAI, local_answer: Any) -> None:
+    text, reason, tokens = local_answer(QUESTIONS[2])
+    stream = ask(client, QUESTIONS[2], stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == text
+    assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 3  # token by token, not at once
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [reason]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == tokens
+
+
+def test_completions_endpoint_equals_local_greedy(client: openai.OpenAI, local_answer: Any) -> None:
+    prompt = "The three largest cities of Germany are"
+    reply = client.completions.create(model=NAME, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0)
+    assert (reply.choices[0].text, reply.choices[0].finish_reason) == local_answer(prompt, chat=False)[:2]
+    streamed = client.completions.create(model=NAME, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0, stream=True)
+    assert "".join(chunk.choices[0].text for chunk in streamed) == local_answer(prompt, chat=False)[0]
+
+
+def test_stop_strings_cut_the_text_before_them(client: openai.OpenAI, local_answer: Any) -> None:
+    full = local_answer(QUESTIONS[0])[0]
+    assert "Paris" in full  # the stop string must occur in the unstopped answer for this test to mean anything
+    reply = ask(client, QUESTIONS[0], stop=["Paris", "London"])
+    assert reply.choices[0].message.content == full[: full.index("Paris")]
+    assert reply.choices[0].finish_reason == "stop"
+    stream = ask(client, QUESTIONS[0], stop="Paris", stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == full[: full.index("Paris")]
+
+
+def test_n_choices_and_seeded_sampling(client: openai.OpenAI, local_answer: Any) -> None:
+    greedy = ask(client, QUESTIONS[1], n=2)
+    assert [c.index for c in greedy.choices] == [0, 1]
+    assert [c.message.content for c in greedy.choices] == [local_answer(QUESTIONS[1])[0]] * 2
+    assert greedy.usage.completion_tokens == 2 * local_answer(QUESTIONS[1])[2]
+    sampled = [ask(client, QUESTIONS[1], n=2, temperature=1.0, seed=7) for _ in range(2)]
+    texts = [[c.message.content for c in reply.choices] for reply in sampled]
+    assert texts[0] == texts[1]  # same seed, same texts
+    streamed = ask(client, QUESTIONS[1], n=2, temperature=1.0, seed=7, stream=True)
+    by_choice = ["", ""]
+    for chunk in streamed:
+        for choice in chunk.choices:
+            by_choice[choice.index] += choice.delta.content or ""
+    assert by_choice == texts[0]
+
+
+def test_eight_concurrent_requests_are_all_correct(client: openai.OpenAI, local_answer: Any) -> None:
+    expected = [local_answer(q)[0] for q in QUESTIONS]
+    answers: list[str | None] = [None] * len(QUESTIONS)
+
+    def work(index: int) -> None:
+        answers[index] = ask(client, QUESTIONS[index]).choices[0].message.content
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(QUESTIONS))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(180)
+    assert answers == expected
+
+
+def sessions_open(model: Any) -> int:
+    return sum(info.sessions_open for info in model.server_infos().values())
+
+
+def test_a_client_leaving_mid_stream_frees_the_servers_session(
+    smollm_dir: Path, swarm: LocalSwarm, api_url: str
+) -> None:
+    # a plain socket: the client that goes away closes its connection, with no HTTP library in between
+    body = {"model": NAME, "messages": [{"role": "user", "content": QUESTIONS[2]}], "max_tokens": 2000, "stream": True}
+    data = json.dumps(body).encode()
+    with connected_model(smollm_dir, swarm) as model:
+        host, port = api_url.removeprefix("http://").split(":")
+        connection = socket.create_connection((host, int(port)), timeout=60)
+        connection.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: api\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: %d\r\n\r\n%s" % (len(data), data))  # fmt: skip
+        received = b""
+        while received.count(b'"content": "') < 4:  # the role chunk, then three tokens
+            part = connection.recv(4096)
+            assert part, received
+            received += part
+        assert sessions_open(model) == 2  # one session on each of the two servers
+        connection.close()
+        deadline = time.monotonic() + 15
+        while sessions_open(model) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert sessions_open(model) == 0
+    with urllib.request.urlopen(f"{api_url}/api/v1/swarm", timeout=30) as response:
+        recent = json.loads(response.read())["client"]["recent"]
+    assert recent[0]["outcome"] == "cancelled" and recent[0]["tokens"] < 100
+
+
+BAD_REQUESTS = [
+    (b"{not json", 400, None),
+    (b"[1, 2]", 400, None),
+    (json.dumps({"model": NAME}).encode(), 400, "messages"),
+    (json.dumps({"model": NAME, "messages": []}).encode(), 400, "messages"),
+    (json.dumps({"model": NAME, "messages": [{"role": "robot", "content": "hi"}]}).encode(), 400, None),
+    (json.dumps({"model": "gpt-17", "messages": [{"role": "user", "content": "hi"}]}).encode(), 404, "model"),
+    (json.dumps({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "temperature": 5}).encode(), 400,
+     "temperature"),
+    (json.dumps({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}).encode(), 400,
+     "max_tokens"),
+    (json.dumps({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "n": 0}).encode(), 400, "n"),
+    (json.dumps({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "stop": list("abcde")}).encode(),
+     400, "stop"),
+    (json.dumps({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 9000}).encode(), 400,
+     "messages"),
+    (json.dumps({"model": NAME, "messages": [{"role": "user", "content": "hi " * 9000}]}).encode(), 400, "messages"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("body", "status", "param"), BAD_REQUESTS)
+def test_each_malformed_request_gets_its_error_and_the_server_keeps_serving(
+    api_url: str, client: openai.OpenAI, local_answer: Any, body: bytes, status: int, param: str | None
+) -> None:
+    code, reply = post(f"{api_url}/v1/chat/completions", body)
+    assert code == status, reply
+    error = reply["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] is not None and error["param"].startswith(param), error
+    if "9000" in body.decode()[:200] or len(body) > 20000:
+        assert error["code"] == "context_length_exceeded", error
+    assert ask(client, QUESTIONS[0], max_tokens=3).choices[0].message.content == local_answer(QUESTIONS[0], True, 3)[0]
+
+
+def test_wrong_paths_and_methods_get_openai_errors(api_url: str) -> None:
+    code, reply = post(f"{api_url}/v1/nothing", b"{}")
+    assert code == 404 and reply["error"]["type"] == "not_found_error"
+    code, reply = post(f"{api_url}/v1/chat/completions", b"", method="PUT")
+    assert code == 405 and reply["error"]["message"]
+    with pytest.raises(openai.BadRequestError, match="context length"):
+        openai.OpenAI(base_url=f"{api_url}/v1", api_key="x", max_retries=0).completions.create(
+            model=NAME, prompt="word " * 9000, max_tokens=5
+        )
+
+
+def test_a_swarm_missing_blocks_answers_503_naming_them(smollm_dir: Path, swarm: LocalSwarm) -> None:
+    # the same DHT, a swarm name no server serves: every block is missing
+    args = ["api", str(smollm_dir), "--served-model-name", NAME, "--port", "0", "--dht-prefix", "nobody-serves-this",
+            "--missing-blocks-timeout", "1", "--initial-peers", *swarm.initial_peers]  # fmt: skip
+    with http_process(args, READY_LINE) as url:
+        body = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        for stream in (False, True):
+            code, reply = post(f"{url}/v1/chat/completions", json.dumps({**body, "stream": stream}).encode())
+            assert code == 503 and reply["error"]["code"] == "missing_blocks", reply
+            assert "block(s) 0-29" in reply["error"]["message"]
+
+
+def test_the_api_serves_the_monitor_with_its_own_route(api_url: str, client: openai.OpenAI) -> None:
+    ask(client, QUESTIONS[0], max_tokens=2)
+    with urllib.request.urlopen(f"{api_url}/api/v1/swarm", timeout=30) as response:
+        snapshot = json.loads(response.read())
+    (model,) = snapshot["models"]
+    assert model["complete"] and model["num_blocks"] == 30 and len(model["servers"]) == 2
+    assert {server["state"] for server in model["servers"]} == {"online"}
+    route = snapshot["client"]["route"]
+    assert [(hop["start"], hop["end"]) for hop in route] == [(0, 15), (15, 30)]
+    with urllib.request.urlopen(f"{api_url}/", timeout=30) as response:
+        assert b"monitor.js" in response.read()
