@@ -53,3 +53,26 @@ def test_a_draft_proposes_its_greedy_continuation_and_reuses_its_cache_after_a_r
     second = draft.propose(ids, 3)
     assert second.tolist() == greedy(model, ids, 3)
     assert draft.propose(ids, 0).tolist() == []
+
+
+def test_min_new_tokens_keeps_end_of_sequence_out_of_the_first_tokens_as_generate_does() -> None:
+    from swarmlm.client.speculative import speculative_generate
+
+    model = tiny_model()
+    ids = torch.tensor([[3, 9, 27, 4, 11]])
+    eos = greedy(model, ids, 1)[0]  # the model's very next token stands in for the end of sequence
+
+    class Session:  # the session interface speculative_generate uses; the forward recomputes the whole sequence
+        token_ids = None
+        prefix_tokens = 0
+        position = 0
+
+    def forward(session: object, candidate: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            return model(candidate).logits
+
+    out = speculative_generate(forward, Session(), ids, PromptLookup(), 3, 6, [eos], min_new_tokens=4)  # type: ignore[arg-type]
+    with torch.inference_mode():
+        expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=4,
+                                  do_sample=False, eos_token_id=eos, pad_token_id=0)  # fmt: skip
+    assert out.tolist() == expected.tolist()

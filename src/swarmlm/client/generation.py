@@ -172,6 +172,7 @@ class RemoteGenerationMixin(_ModelBase):
         streamer = options.pop("streamer", None)
         max_new, max_length = options.pop("max_new_tokens", None), options.pop("max_length", None)
         eos = options.pop("eos_token_id", None)
+        min_new = options.pop("min_new_tokens", None) or 0
         mask = options.pop("attention_mask", None)
         options.pop("use_cache", None)
         options.pop("pad_token_id", None)
@@ -181,8 +182,8 @@ class RemoteGenerationMixin(_ModelBase):
         if args or options:
             raise ValueError(
                 f"speculative decoding does not take {sorted(options) or 'positional options'}; it takes "
-                "max_new_tokens, max_length, eos_token_id, pad_token_id, attention_mask (all ones), streamer, "
-                "num_assistant_tokens"
+                "max_new_tokens, min_new_tokens, max_length, eos_token_id, pad_token_id, attention_mask (all ones), "
+                "streamer, num_assistant_tokens"
             )
         if mask is not None and not bool(mask.all()):
             raise ValueError("speculative decoding runs one unpadded sequence: the attention mask must be all ones")
@@ -198,7 +199,7 @@ class RemoteGenerationMixin(_ModelBase):
         def forward(session: InferenceSession, input_ids: torch.Tensor) -> torch.Tensor:
             return cast(torch.Tensor, self._session_forward(session, input_ids, None, None).logits)
 
-        return speculative_generate(forward, session, inputs, proposer, lookahead, max_new, eos_ids, streamer)
+        return speculative_generate(forward, session, inputs, proposer, lookahead, max_new, eos_ids, streamer, min_new)
 
     def _session_forward(
         self,

@@ -102,9 +102,11 @@ def speculative_generate(
     max_new_tokens: int,
     eos_token_ids: list[int],
     streamer: BaseStreamer | None = None,
+    min_new_tokens: int = 0,
 ) -> torch.Tensor:
     """Greedy decoding of up to max_new_tokens tokens after input_ids (1, length), checked `lookahead` proposals at a
-    time; stops after an end-of-sequence token. Returns the whole sequence, as generate() does."""
+    time; stops after an end-of-sequence token (never one of the first min_new_tokens). Returns the whole sequence,
+    as generate() does."""
     if input_ids.shape[0] != 1:
         raise ValueError(f"speculative decoding runs one sequence at a time, got a batch of {input_ids.shape[0]}")
     if lookahead < 1:
@@ -118,7 +120,12 @@ def speculative_generate(
         proposals = proposer.propose(ids, min(lookahead, max_new_tokens - made - 1)).to(ids.dtype)
         candidate = torch.cat([ids, proposals[None]], dim=1)
         logits = forward(session, candidate)
-        chosen = logits[0, -len(proposals) - 1 :].argmax(-1).to(ids.dtype)  # the model's token after each position
+        scores = logits[0, -len(proposals) - 1 :]
+        early = min_new_tokens - made  # before min_new_tokens, end-of-sequence is never chosen (as in generate())
+        if early > 0 and eos_token_ids:
+            scores = scores.clone()
+            scores[:early, eos_token_ids] = float("-inf")
+        chosen = scores.argmax(-1).to(ids.dtype)  # the model's token after each position
         agree = (chosen[:-1] == proposals).int().cumprod(0)
         accepted = int(agree.sum())
         new = chosen[: accepted + 1]  # the agreeing proposals are the model's own choices, then its next token
