@@ -57,3 +57,4 @@ class ClientConfig:
     route_tie_tolerance: float = 0.05  # routes within this fraction of the cheapest are drawn at random (spreads load)
     route_stickiness: float = 0.2  # the servers used last keep their blocks until another is this fraction cheaper
     sticky_route_s: float = 60.0  # how long the servers used last stay preferred after their last use
+    explore_interval_s: float = 30.0  # at most one route per this many s tries a server never measured (0: never)
