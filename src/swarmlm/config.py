@@ -70,3 +70,4 @@ class ClientConfig:
     swarm_key: bytes | None = None  # secret of a private swarm (swarm/private.py); None: an open swarm
     wire_dtype: str = "float32"  # activations travel as float32 (exact), bfloat16 or float16 (half the bytes)
     ping_timeout_s: float = 2.0  # servers not yet called get one timed rpc_info before routing; longer = this far
+    explore_interval_s: float = 30.0  # at most one route per this many s tries a server never measured (0: never)

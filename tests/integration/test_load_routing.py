@@ -36,8 +36,9 @@ def test_two_clients_spread_over_replicas_and_each_keeps_its_own(tiny_model_dir:
         expected = reference(ids).logits
     with (
         running_swarm(tiny_model_dir, [(0, 2), (2, 5), (2, 5)]) as swarm,
-        connected_model(tiny_model_dir, swarm, **CHECKS_OFF) as first,
-        connected_model(tiny_model_dir, swarm, **CHECKS_OFF) as second,
+        # no exploration: a client trying the other replica would break the stickiness measured here
+        connected_model(tiny_model_dir, swarm, explore_interval_s=0, **CHECKS_OFF) as first,
+        connected_model(tiny_model_dir, swarm, explore_interval_s=0, **CHECKS_OFF) as second,
     ):
         managers = [model.model.layers.client.manager for model in (first, second)]
         for manager, seed in zip(managers, (FIRST_PICKS_FIRST, FIRST_PICKS_SECOND), strict=True):

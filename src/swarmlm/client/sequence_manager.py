@@ -78,6 +78,7 @@ class SequenceManager:
         self._joined: set[str] = set()  # servers of a private swarm this client proved its membership to
         self._rng = random.Random()
         self._last_used: dict[str, float] = {}  # peer -> when a route last went through it (monotonic s)
+        self._explored_at = time.monotonic()  # when a route last tried an unmeasured server (none at first)
         self._refresh_task: asyncio.Task | None = None
 
     @property
@@ -166,10 +167,12 @@ class SequenceManager:
         await self.measure_unknown(start, end)
         while True:
             banned, views = self._excluded(tokens, avoid), self.view.views(self.health)
-            route = None
-            if session_tokens is not None:
-                route = self._find(views, start, end, tokens, banned | self.view.full_for(session_tokens), spread)
-            route = route or self._find(views, start, end, tokens, banned, spread)
+            roomy = banned if session_tokens is None else banned | self.view.full_for(session_tokens)
+            route = (self._explore(views, start, end, tokens, roomy) if spread else None) or self._find(
+                views, start, end, tokens, roomy, spread
+            )
+            if route is None and roomy != banned:  # announcements lag: when none has room, the servers answer
+                route = self._find(views, start, end, tokens, banned, spread)
             if route is not None:
                 now = time.monotonic()
                 self._last_used.update((span.peer_id, now) for span in route)
@@ -213,6 +216,31 @@ class SequenceManager:
             prefer=prefer,
             stickiness=config.route_stickiness,
         )
+
+    def _explore(
+        self, views: list[ServerView], start: int, end: int, tokens: int, banned: set[str]
+    ) -> list[RouteSpan] | None:
+        """Now and then (once per explore_interval_s), a route through a server this client has never measured:
+        its announced speed is only a claim, capped, so without a try a better replica could stay unknown forever.
+        The route is the cheapest one through that server; None when it is not time, or no such route exists."""
+        interval = self.config.explore_interval_s
+        if interval <= 0 or time.monotonic() - self._explored_at < interval:
+            return None
+        unknown = [
+            v for v in views
+            if v.peer_id not in banned and not self.health.has_measured(v.peer_id) and v.start < end and v.end > start
+        ]  # fmt: skip
+        if not unknown:
+            return None
+        self._explored_at = time.monotonic()
+        pick = self._rng.choice(sorted(unknown, key=lambda v: v.peer_id))
+        lo, hi = max(pick.start, start), min(pick.end, end)
+        # every other server of the picked one's blocks is left out, so the route must go through it
+        others = {v.peer_id for v in views if v.peer_id != pick.peer_id and v.start < hi and v.end > lo}
+        route = self._find(views, start, end, tokens, banned | others)
+        if route is not None:
+            logger.info("Trying server ...%s (never measured) for blocks %d:%d", pick.peer_id[-6:], lo, hi)
+        return route
 
     def ban(self, peer_id: str, reason: object) -> None:
         """Avoid a failed server for a while; each further failure doubles the ban (up to ban_max_s)."""

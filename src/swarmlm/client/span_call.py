@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
-from typing import Literal, NamedTuple
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Literal, NamedTuple, TypeVar
 
 import torch
 from hivemind.p2p import P2PDaemonError, P2PHandlerError
@@ -14,11 +14,13 @@ from hivemind.proto import runtime_pb2
 
 from swarmlm.client import trace
 from swarmlm.client.sequence_manager import SequenceManager
+from swarmlm.client.streams import PeerStream
 from swarmlm.client.wire import from_wire, on_wire, to_wire
 from swarmlm.errors import BadRequestError, ProtocolError, RemoteCallError
-from swarmlm.protocol import service
 from swarmlm.protocol.codec import encode, read_message, read_only_message
 from swarmlm.protocol.messages import InferenceOpen, InfoRequest, ReplyHeader, ServerInfo, _Header
+
+H = TypeVar("H", ReplyHeader, ServerInfo)
 
 # a reply may carry this many bytes beyond its expected tensors (bf16 travels widened to float32; chunk framing)
 REPLY_SLACK_BYTES = 64 << 10
@@ -26,11 +28,6 @@ REPLY_SLACK_BYTES = 64 << 10
 CLOSE_TIMEOUT_S = 5.0
 # transport failures: the server or the connection is gone
 _TRANSPORT_ERRORS = (P2PDaemonError, P2PHandlerError, ConnectionError, OSError, asyncio.IncompleteReadError)
-
-
-async def _as_stream(header: _Header, tensors: Sequence[torch.Tensor]) -> AsyncIterator[runtime_pb2.ExpertRequest]:
-    for part in encode(header, tensors, runtime_pb2.ExpertRequest):
-        yield part
 
 
 def call_work(blocks: int, tensors: Sequence[torch.Tensor]) -> int:
@@ -123,11 +120,8 @@ async def call_span(
     sent, wire_expected = to_wire(tensors, manager.wire), expected_on_wire(expected, manager.wire)
     with remote_errors(method, peer_id, timeout_s):
         async with asyncio.timeout(timeout_s):
-            peer = await manager.ensure_connected(peer_id)
-            replies = await getattr(service.stub(manager.p2p, peer), method)(_as_stream(header, sent))
-            # aclosing: a cancelled or failed read still closes the stream, so the server stops working for us
-            async with contextlib.aclosing(replies):
-                message = await read_only_message(replies, ReplyHeader, max_bytes=reply_bytes(wire_expected))
+            limit = reply_bytes(wire_expected)
+            message = await _one_exchange(manager, peer_id, method, header, sent, ReplyHeader, limit)
     reply, outputs = _checked(manager, message, method, peer_id, time.perf_counter() - began)
     check_outputs(outputs, wire_expected, method, peer_id)
     # the whole time by our clock, compute included: the compute time a server reports is its claim, not a measure
@@ -149,13 +143,24 @@ async def fetch_info(manager: SequenceManager, peer_id: str) -> ServerInfo:
     timeout_s = manager.config.request_timeout_s
     with remote_errors("rpc_info", peer_id, timeout_s):
         async with asyncio.timeout(timeout_s):
-            peer = await manager.ensure_connected(peer_id)
-            replies = await service.stub(manager.p2p, peer).rpc_info(_as_stream(InfoRequest(), []))
-            async with contextlib.aclosing(replies):
-                message = await read_only_message(replies, ServerInfo, max_bytes=0)
+            message = await _one_exchange(manager, peer_id, "rpc_info", InfoRequest(), [], ServerInfo, 0)
     if message is None:
         raise RemoteCallError("rpc_info: the server closed the stream without replying", peer_id)
     return message[0]
+
+
+async def _one_exchange(
+    manager: SequenceManager, peer_id: str, method: str, header: _Header, tensors: Sequence[torch.Tensor],
+    reply_type: type[H], max_bytes: int,
+) -> tuple[H, list[torch.Tensor]] | None:  # fmt: skip
+    """Send one message on a new stream, end it, and read the one reply up to the end of the stream."""
+    stream = await PeerStream.open(manager.p2p, await manager.ensure_connected(peer_id), method)
+    try:
+        await stream.send(encode(header, tensors, runtime_pb2.ExpertRequest))
+        await stream.end()
+        return await read_only_message(stream.replies(), reply_type, max_bytes=max_bytes)
+    finally:
+        stream.close()  # also when cancelled or failed: the server stops working for us
 
 
 def _checked(
@@ -179,13 +184,9 @@ class SpanStream:
     def __init__(self, manager: SequenceManager, peer_id: str, method: str):
         self.manager, self.peer_id, self.method = manager, peer_id, method
         self._span = (0, 0)  # blocks of the session, known from its opening message
-        self._queue: asyncio.Queue[runtime_pb2.ExpertRequest | None] = asyncio.Queue()
-        self._replies: AsyncGenerator[runtime_pb2.ExpertResponse, None] | None = None
+        self._stream: PeerStream | None = None
+        self._replies: AsyncIterator[runtime_pb2.ExpertResponse] | None = None
         self.last_reply: ReplyHeader | None = None  # the header of the last reply read
-
-    async def _requests(self) -> AsyncIterator[runtime_pb2.ExpertRequest]:
-        while (part := await self._queue.get()) is not None:
-            yield part
 
     async def exchange(
         self, header: _Header, tensors: Sequence[torch.Tensor], expected: Sequence[Expected] | None = None
@@ -202,12 +203,13 @@ class SpanStream:
         sent, wire_expected = to_wire(tensors, wire), expected_on_wire(expected, wire)
         with remote_errors(self.method, self.peer_id, timeout_s):
             async with asyncio.timeout(timeout_s):
-                if self._replies is None:
+                if self._stream is None:
                     peer = await self.manager.ensure_connected(self.peer_id)
-                    stub = service.stub(self.manager.p2p, peer)
-                    self._replies = await getattr(stub, self.method)(self._requests())
-                for part in encode(header, sent, runtime_pb2.ExpertRequest):
-                    self._queue.put_nowait(part)
+                    self._stream = await PeerStream.open(self.manager.p2p, peer, self.method)
+                    self._replies = self._stream.replies()
+                await self._stream.send(encode(header, sent, runtime_pb2.ExpertRequest))
+                if self._replies is None:
+                    raise RuntimeError("a stream's replies are read from its opening on")
                 message = await read_message(self._replies, ReplyHeader, max_bytes=reply_bytes(wire_expected))
         reply, outputs = _checked(self.manager, message, self.method, self.peer_id, time.perf_counter() - began)
         self.last_reply = reply
@@ -235,12 +237,16 @@ class SpanStream:
 
     async def close(self) -> None:
         """End the stream (the server frees the session) and wait briefly for the server to finish it."""
-        self._queue.put_nowait(None)
-        if self._replies is not None:
-            replies, self._replies = self._replies, None
+        stream, replies, self._stream, self._replies = self._stream, self._replies, None, None
+        if stream is None:
+            return
+        try:
             # best effort: the session is over for us whatever the server says now
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(min(CLOSE_TIMEOUT_S, self.manager.config.request_timeout_s)):
-                    async with contextlib.aclosing(replies):
+                    await stream.end()
+                    if replies is not None:
                         async for _ in replies:
                             pass
+        finally:
+            stream.close()

@@ -20,11 +20,15 @@ logger = logging.getLogger(__name__)
 # load factor per announced open inference session: each interleaves its decode steps with every other request, so
 # ten sessions count as doubling the server's cost (routing bounds the total at MAX_LOAD_FACTOR)
 SESSION_LOAD = 0.1
+# load factor per compute turn a new request waits for on the server (its announced queue depth): each turn ahead
+# costs about what the request itself does there (a forward like ours, or one batched decode step)
+QUEUE_LOAD = 1.0
 
 
 def announced_load(record: ServerRecord) -> float:
-    """The load factor routing adds to a server's cost from its announcement (>= 0; routing bounds it)."""
-    return SESSION_LOAD * record.sessions_open
+    """The load factor routing adds to a server's cost from its announcement: the expected wait behind its queue
+    and its open sessions, as a fraction of the request's own cost there (>= 0; routing bounds it)."""
+    return SESSION_LOAD * record.sessions_open + QUEUE_LOAD * record.queue_depth
 
 
 @dataclass(frozen=True)

@@ -198,6 +198,7 @@ class ServerInfo(_Header):
     cache_tokens_total: int  # the KV-cache budget, in tokens
     cache_tokens_left: int  # tokens of it not reserved by open sessions
     sessions_open: int  # inference sessions open now
+    queue_depth: float = 0.0  # compute turns a new request waits for, averaged over recent seconds
     throughput: float  # forward tokens/s through one block, measured at start-up
     inference_throughput: float  # one-token decode steps/s through one block, measured at start-up
     pushes_received: int = 0  # inference steps other servers pushed here (server-to-server push)

@@ -15,6 +15,7 @@ from transformers.cache_utils import DynamicCache
 from swarmlm.models.batched import decode_batched
 from swarmlm.models.span import SpanModel
 from swarmlm.protocol.bundle import SpanTensors
+from swarmlm.server.joining import JoinableRequest, join, split
 from swarmlm.server.scheduler import BatchLimits, DecodeStep, Kind, Scheduler
 from swarmlm.server.validation import SpanLimits
 
@@ -41,7 +42,9 @@ class SpanBackend:
         )
         # a single worker thread is the queue: weights are never used by two computations at once
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="span-compute")
-        self.scheduler = Scheduler(self._executor, self._decode_batch, batch_limits or BatchLimits())
+        self.scheduler = Scheduler(
+            self._executor, self._decode_batch, batch_limits or BatchLimits(), run_joined=self._run_joined
+        )
 
     async def run(
         self, start: int, end: int, inputs: SpanTensors, peer: str = "", adapter: str | None = None
@@ -51,10 +54,26 @@ class SpanBackend:
         adapter: the LoRA adapter to apply (None: the base model)."""
         kind = Kind.FORWARD if inputs.grad_outputs is None else Kind.BACKWARD
         # a block at a time: the scheduler runs waiting inference steps between blocks of a long request
+        # requests of other peers over the same blocks and of the same shape may run joined with this one
+        # (only without an adapter: requests of different adapters never share a computation)
+        joinable = JoinableRequest(start, end, inputs, peer) if inputs.hypo_ids is None and adapter is None else None
         result: tuple[list[torch.Tensor], float] = await self.scheduler.submit(
-            kind, peer, functools.partial(self._run_by_block, start, end, inputs, adapter)
+            kind, peer, functools.partial(self._run_by_block, start, end, inputs, adapter), join=joinable
         )
         return result
+
+    def _run_joined(
+        self, requests: list[JoinableRequest]
+    ) -> Generator[None, None, list[tuple[list[torch.Tensor], float]]]:
+        """Requests joined along the batch dimension as one computation, a block at a time; each gets its own
+        results (and the shared compute time)."""
+        start, end = requests[0].start, requests[0].end
+        results, compute_ms = yield from self._run_by_block(start, end, join(requests), None)
+        kind = "backward" if requests[0].inputs.grad_outputs is not None else "forward"
+        peers, tokens = len({r.peer for r in requests}), sum(r.tokens for r in requests)
+        logger.info("%s batch requests=%d peers=%d blocks=%d:%d tokens=%d %.1f ms", kind, len(requests), peers,
+                    start, end, tokens, compute_ms)  # fmt: skip
+        return [(outputs, compute_ms) for outputs in split(results, requests)]
 
     def _run(self, start: int, end: int, inputs: SpanTensors) -> tuple[list[torch.Tensor], float]:
         """_run_by_block in one go, without adapter."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import time
 from collections.abc import Callable, Generator, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -13,6 +14,9 @@ from typing import Any, cast
 
 import torch
 from transformers.cache_utils import DynamicCache
+
+from swarmlm.server.joining import JoinableRequest, can_join
+from swarmlm.server.load import DepthMeter, turns_ahead
 
 logger = logging.getLogger(__name__)
 
@@ -52,16 +56,20 @@ class Task:
     seq: int  # arrival order
     run: Callable[[], Any]  # runs this request alone, on the compute thread; may return a generator (see below)
     decode: DecodeStep | None = None  # set when it may instead join a batched decode step
+    join: JoinableRequest | None = None  # set when a forward/backward may run joined with others of its kind
     future: asyncio.Future[Any] | None = field(default=None, repr=False)
     # a long request runs as a generator yielding between quanta (blocks): it goes back into the queue after each
     # quantum, so more urgent work (inference steps) and other peers' turns run in between; its return is the result
     quanta: Generator[None, None, Any] | None = field(default=None, repr=False)
+    members: list[Task] | None = field(default=None, repr=False)  # of a joined task: the requests it runs
 
 
 @dataclass(frozen=True)
 class BatchLimits:
     max_sessions: int = 32  # sessions in one batched decode step
     max_rows: int = 64  # batch rows (sum of the sessions' batch sizes) in one batched decode step
+    max_join_tokens: int = 2048  # batch x sequence tokens of forward (or backward) requests joined into one
+    max_join_requests: int = 16  # requests joined into one forward (or backward)
 
 
 def next_batch(queue: Sequence[Task], limits: BatchLimits, last_served: Mapping[str, int]) -> list[Task]:
@@ -74,6 +82,8 @@ def next_batch(queue: Sequence[Task], limits: BatchLimits, last_served: Mapping[
     kind = min(task.kind for task in queue)
     order = sorted((t for t in queue if t.kind == kind), key=lambda t: (last_served.get(t.peer, -1), t.seq))
     head = order[0]
+    if head.join is not None and head.quanta is None:
+        return _joined(head, order[1:], limits)
     if head.decode is None:
         return [head]
     batch, rows, caches = [head], head.decode.rows, {id(head.decode.cache)}
@@ -96,6 +106,34 @@ def _same_forward(step: DecodeStep, head: DecodeStep) -> bool:
     return (step.start, step.end, step.adapter) == (head.start, head.end, head.adapter)
 
 
+def _wanted(task: Task) -> bool:
+    """Whether someone still waits for the task's result (for a joined task: any of its requests' callers)."""
+    if task.future is None or task.future.done():
+        return False
+    if task.members is not None and all(m.future is None or m.future.done() for m in task.members):
+        task.future.cancel()  # every caller gave up: its remaining blocks need not run
+        return False
+    return True
+
+
+def _joined(head: Task, others: Sequence[Task], limits: BatchLimits) -> list[Task]:
+    """head with the waiting, not yet started requests of its kind that can join it, in order, within limits."""
+    if head.join is None:
+        raise ValueError("only a joinable request heads a joined batch")
+    batch, tokens = [head], head.join.tokens
+    for task in others:
+        if len(batch) >= limits.max_join_requests:
+            break
+        join = task.join
+        if join is None or task.quanta is not None or not can_join(head.join, join):
+            continue
+        if tokens + join.tokens > limits.max_join_tokens:
+            continue
+        batch.append(task)
+        tokens += join.tokens
+    return batch
+
+
 # what _advance returns when a long task has run one quantum and has more to run
 _UNFINISHED: Any = object()
 
@@ -105,9 +143,13 @@ class Scheduler:
     time: a lone task by its own `run`, several decode steps by `run_decodes` (a result per step, in order)."""
 
     def __init__(
-        self, executor: Executor, run_decodes: Callable[[list[DecodeStep]], list[Any]], limits: BatchLimits
+        self, executor: Executor, run_decodes: Callable[[list[DecodeStep]], list[Any]], limits: BatchLimits,
+        run_joined: Callable[[list[JoinableRequest]], Any] | None = None,
     ):  # fmt: skip
+        """run_joined runs joinable requests as one (like a lone task's run: a result per request, or a generator
+        returning them); without it, requests are never joined."""
         self.executor, self.run_decodes, self.limits = executor, run_decodes, limits
+        self.run_joined = run_joined
         self.queue: list[Task] = []
         self.last_served: dict[str, int] = {}
         self._arrivals = 0
@@ -116,14 +158,29 @@ class Scheduler:
         self.batched_steps = 0  # forwards that ran decode steps of more than one session
         self.batched_sessions = 0  # session steps that ran in those forwards
         self.max_sessions_per_step = 1  # most sessions in one forward so far
+        self.joined_runs = 0  # forward/backward computations that ran requests of more than one caller
+        self.joined_requests = 0  # requests that ran in those computations
+        self.depth = DepthMeter()  # turns a new request waits for, averaged over time (announced in the record)
 
-    async def submit(self, kind: Kind, peer: str, run: Callable[[], Any], decode: DecodeStep | None = None) -> Any:
+    def queue_depth(self) -> float:
+        """The averaged turns of the compute thread a request arriving now waits for (0: idle)."""
+        return self.depth.value(time.monotonic())
+
+    def _measure(self) -> None:
+        now = time.monotonic()
+        self.depth.set(turns_ahead(self.queue, self.limits.max_sessions), now)
+
+    async def submit(
+        self, kind: Kind, peer: str, run: Callable[[], Any], decode: DecodeStep | None = None,
+        join: JoinableRequest | None = None,
+    ) -> Any:  # fmt: skip
         """Queue a request and wait for its result (or its exception)."""
         loop = asyncio.get_running_loop()
         self._arrivals += 1
         future: asyncio.Future[Any] = loop.create_future()
-        task = Task(kind, peer, self._arrivals, run, decode, future)
+        task = Task(kind, peer, self._arrivals, run, decode, join if self.run_joined else None, future)
         self.queue.append(task)
+        self._measure()
         if self._runner is None or self._runner.done():
             # runs while there is work: what arrives meanwhile waits, and is batched when the thread is free
             self._runner = loop.create_task(self._drain())
@@ -132,6 +189,7 @@ class Scheduler:
         finally:
             if task in self.queue:  # the caller gave up before its turn
                 self.queue.remove(task)
+                self._measure()
 
     async def _drain(self) -> None:
         loop = asyncio.get_running_loop()
@@ -139,10 +197,13 @@ class Scheduler:
             batch = next_batch(self.queue, self.limits, self.last_served)
             for task in batch:
                 self.queue.remove(task)
-            batch = [task for task in batch if task.future is not None and not task.future.done()]
+            batch = [task for task in batch if _wanted(task)]
             if not batch:
                 continue
+            if len(batch) > 1 and batch[0].join is not None:
+                batch = [self._merge(batch, loop)]
             self._served(batch)
+            self._measure()
             try:
                 results = await loop.run_in_executor(self.executor, self._execute, batch)
             except BaseException as e:  # noqa: BLE001 - every waiting caller gets the failure, then the loop goes on
@@ -159,6 +220,32 @@ class Scheduler:
             for task, result in zip(batch, results, strict=True):
                 if task.future is not None and not task.future.done():
                     task.future.set_result(result)
+
+    def _merge(self, batch: list[Task], loop: asyncio.AbstractEventLoop) -> Task:
+        """One task running the joined requests of `batch`; its result (a list, one per request) goes to theirs."""
+        if self.run_joined is None:
+            raise RuntimeError("requests are joined only with run_joined")
+        run_joined, joins = self.run_joined, [task.join for task in batch if task.join is not None]
+        head = batch[0]
+        merged = Task(head.kind, head.peer, head.seq, lambda: run_joined(joins), future=loop.create_future())
+        merged.members = batch
+
+        def hand_out(done: asyncio.Future[Any]) -> None:
+            for index, task in enumerate(batch):
+                if task.future is None or task.future.done():
+                    continue
+                if done.cancelled():
+                    task.future.cancel()
+                elif done.exception() is not None:
+                    task.future.set_exception(cast(BaseException, done.exception()))
+                else:
+                    task.future.set_result(done.result()[index])
+
+        if merged.future is not None:
+            merged.future.add_done_callback(hand_out)
+        self.joined_runs += 1
+        self.joined_requests += len(batch)
+        return merged
 
     def _execute(self, batch: list[Task]) -> list[Any]:
         """On the compute thread."""
@@ -186,6 +273,7 @@ class Scheduler:
         return _UNFINISHED
 
     def _served(self, batch: list[Task]) -> None:
+        batch = [member for task in batch for member in (task.members or [task])]
         self._turns += 1
         for task in batch:
             self.last_served[task.peer] = self._turns

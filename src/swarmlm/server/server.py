@@ -142,8 +142,12 @@ class Server:
             inference_throughput=self.inference_throughput,
             since=self.since,
             sessions_open=0 if self.inference is None else self.inference.open_sessions,
+            queue_depth=self._queue_depth(),
             adapters=self.adapters,
         )
+
+    def _queue_depth(self) -> float:
+        return 0.0 if self.backend is None else round(self.backend.scheduler.queue_depth(), 3)
 
     async def _announce(self, state: ServerState) -> ServerRecord:
         if self.dht is None:
@@ -185,6 +189,7 @@ class Server:
             cache_tokens_total=self.cache_tokens,
             cache_tokens_left=self._cache_tokens_left(),
             sessions_open=0 if self.inference is None else self.inference.open_sessions,
+            queue_depth=self._queue_depth(),
             throughput=self.throughput,
             inference_throughput=self.inference_throughput,
             pushes_received=0 if self.inference is None else self.inference.pushes_received,

@@ -49,6 +49,7 @@ class ServerRecord(BaseModel):
     cache_tokens_left: int | None = Field(default=None, ge=0)  # KV-cache tokens free now (None: unknown)
     inference_throughput: float | None = Field(default=None, gt=0)  # decode steps/s through one block, if measured
     sessions_open: int = Field(default=0, ge=0)  # inference sessions open now (0 also from servers too old to say)
+    queue_depth: float = Field(default=0.0, ge=0)  # compute turns a new request waits for, averaged (0: idle/unknown)
     since: float = Field(default=0.0, ge=0)  # DHT time the server claimed this span (placement's tie-break)
     adapters: tuple[AdapterName, ...] = Field(default=(), max_length=MAX_ADAPTERS)  # LoRA adapters requests may name
 

@@ -1,0 +1,79 @@
+"""The client's side of a server stream: hivemind's frames over a raw p2pd stream, read and written by us.
+
+hivemind 1.1.12's stream stubs (`P2P._iterate_protobuf_stream_handler`) write requests from a separate task and,
+when the connection closes, wait for that task before ending the reply iterator. A session's request iterator
+only ends when the session does, so a server that dies while a step is in flight left the client waiting for its
+whole request timeout. Here the reply iterator ends (with ConnectionError) as soon as the connection does, and
+every reply frame's declared length is checked before its bytes are read, like the server does with requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterable
+
+from google.protobuf.message import DecodeError
+from hivemind.p2p import P2P, P2PHandlerError, PeerID
+from hivemind.proto import runtime_pb2
+from hivemind.proto.p2pd_pb2 import RPCError
+
+from swarmlm.errors import ProtocolError
+from swarmlm.protocol.service import SpanService
+
+# largest reply frame read: our parts carry at most 1 MiB of tensors and a small header (servers allow 4 MB too)
+MAX_REPLY_FRAME_BYTES = 4 << 20
+
+
+class PeerStream:
+    """One open stream to a server's rpc_* method: send request parts, end the stream, read reply parts."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, method: str):
+        self.reader, self.writer, self.method = reader, writer, method
+
+    @classmethod
+    async def open(cls, p2p: P2P, peer: PeerID, method: str) -> PeerStream:
+        _, reader, writer = await p2p.call_binary_stream_handler(peer, SpanService._get_handle_name(None, method))
+        return cls(reader, writer, method)
+
+    async def send(self, parts: Iterable[runtime_pb2.ExpertRequest]) -> None:
+        for part in parts:
+            await P2P.send_protobuf(part, self.writer)
+
+    async def end(self) -> None:
+        """Tell the server no more requests follow (hivemind's end of stream: an empty error frame)."""
+        await P2P.send_protobuf(P2P.END_OF_STREAM, self.writer)
+
+    async def replies(self) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """Reply parts until the server ends the stream; ConnectionError as soon as the connection is lost mid-frame,
+        P2PHandlerError when the server's handler failed, ProtocolError on a malformed or oversized frame."""
+        while True:
+            try:
+                marker = await self.reader.readexactly(1)
+            except asyncio.IncompleteReadError:
+                return  # the server closed the stream (the caller decides whether a reply was missing)
+            data = await self._frame()
+            if marker == P2P.ERROR_MARKER:
+                error = RPCError()
+                error.ParseFromString(data)
+                raise P2PHandlerError(f"{self.method} failed on the server: {error.message}")
+            if marker != P2P.MESSAGE_MARKER:
+                raise ProtocolError(f"unknown frame marker {marker!r}")
+            part = runtime_pb2.ExpertResponse()
+            try:
+                part.ParseFromString(data)
+            except DecodeError as e:
+                raise ProtocolError(f"a reply frame is not a valid protobuf message: {e}") from e
+            yield part
+
+    async def _frame(self) -> bytes:
+        try:
+            length = int.from_bytes(await self.reader.readexactly(P2P.HEADER_LEN), P2P.BYTEORDER)
+            if length > MAX_REPLY_FRAME_BYTES:
+                raise ProtocolError(f"a reply frame of {length} bytes exceeds {MAX_REPLY_FRAME_BYTES}")
+            return await self.reader.readexactly(length)
+        except asyncio.IncompleteReadError as e:
+            raise ConnectionError("the connection to the server was lost mid-reply") from e
+
+    def close(self) -> None:
+        """Close our end (a server still computing for us sees it and stops)."""
+        self.writer.close()

@@ -1,0 +1,129 @@
+"""Servers SIGKILLed while a request is in flight: the client notices the lost connection at once and re-routes,
+instead of waiting out its request timeout. The dying server is a real, slow server process (slow_server.py) killed
+after it has received a request and before it answers."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from swarmlm.local_swarm import LocalServer, LocalSwarm
+from swarmlm.utils.processes import spawn_bound
+from tests.conftest import LOGITS_ATOL, connected_model, load_reference, running_swarm
+from tests.integration.slow_server import BEGAN_LINE
+
+SLOW_SCRIPT = Path(__file__).with_name("slow_server.py")
+# the slow server holds each request this long before computing it: the window in which the test kills it
+DELAY_S = 5.0
+NUM_BLOCKS = 5
+# the client's request timeout: far longer than any recovery may take
+REQUEST_TIMEOUT_S = 60.0
+# the whole call, kill and recovery included, must end well within this (generous for 2 shared cores)
+RECOVERED_S = 20.0
+
+
+def add_slow(swarm: LocalSwarm, start: int, end: int) -> LocalServer:
+    """A slow server process for blocks start:end joining `swarm` like LocalSwarm.add_server would."""
+    args = [
+        sys.executable, str(SLOW_SCRIPT), str(DELAY_S), "serve", str(swarm.model), "--blocks", f"{start}:{end}",
+        "--host", "127.0.0.1", "--initial-peers", *swarm.initial_peers, "--num-threads", "1",
+    ]  # fmt: skip
+    env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, "PYTHONUNBUFFERED": "1"}
+    process = spawn_bound(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+    server = LocalServer(start, end, process, swarm.log_dir / f"slow-{len(swarm.servers)}-{start}-{end}.log")
+    threading.Thread(target=swarm._pump, args=(server,), daemon=True).start()
+    swarm.servers.append(server)  # stopped with the swarm
+    swarm.wait_ready([server])
+    return server
+
+
+def began(server: LocalServer) -> int:
+    return server.log_path.read_text(errors="replace").count(BEGAN_LINE)
+
+
+def kill_when_busy(swarm: LocalSwarm, server: LocalServer, requests: int = 1, timeout_s: float = 30.0) -> bool:
+    """SIGKILL `server` once it has received `requests` requests (the last one is then in flight)."""
+    deadline = time.monotonic() + timeout_s
+    while began(server) < requests:
+        if time.monotonic() > deadline or server.process.poll() is not None:
+            return False
+        time.sleep(0.05)
+    swarm.kill(server)
+    return True
+
+
+@pytest.fixture(scope="module")
+def swarm(tiny_model_dir: Path) -> Iterator[LocalSwarm]:
+    # honest servers for 0:2 and 2:5; each test adds a slow server for 0:5 that a fresh client tries first (one hop)
+    with running_swarm(tiny_model_dir, [(0, 2), (2, 5)]) as swarm:
+        yield swarm
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir: Path) -> torch.nn.Module:
+    return load_reference(tiny_model_dir)
+
+
+def timed_with_kill(swarm: LocalSwarm, slow: LocalServer, call: Callable[[], object], requests: int = 1) -> float:
+    """Run `call` while the slow server is killed with its `requests`-th request in flight; the call's seconds."""
+    killed: list[bool] = []
+    killer = threading.Thread(target=lambda: killed.append(kill_when_busy(swarm, slow, requests)))
+    killer.start()
+    began_at = time.monotonic()
+    call()
+    elapsed = time.monotonic() - began_at
+    killer.join()
+    assert killed == [True], f"the client never sent its request to the slow server:\n{slow.log_tail()}"
+    return elapsed
+
+
+def test_generation_recovers_at_once_from_a_kill_during_a_step(tiny_model_dir: Path, swarm, reference) -> None:
+    slow = add_slow(swarm, 0, NUM_BLOCKS)
+    ids = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        expected = reference.generate(ids, max_new_tokens=8, do_sample=False)
+    outputs = []
+    with connected_model(tiny_model_dir, swarm, request_timeout_s=REQUEST_TIMEOUT_S) as model:
+        elapsed = timed_with_kill(
+            swarm, slow, lambda: outputs.append(model.generate(ids, max_new_tokens=8, do_sample=False))
+        )
+    assert outputs[0].tolist() == expected.tolist()
+    assert elapsed < RECOVERED_S, f"generation took {elapsed:.1f} s"
+
+
+def test_forward_recovers_at_once_from_a_kill_in_flight(tiny_model_dir: Path, swarm, reference) -> None:
+    slow = add_slow(swarm, 0, NUM_BLOCKS)
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(6))
+    with torch.inference_mode():
+        expected = reference(ids).logits
+    logits = []
+    with connected_model(tiny_model_dir, swarm, request_timeout_s=REQUEST_TIMEOUT_S) as model:
+        elapsed = timed_with_kill(swarm, slow, lambda: logits.append(model(ids).logits))
+    assert (logits[0] - expected).abs().max().item() <= LOGITS_ATOL
+    assert elapsed < RECOVERED_S, f"forward took {elapsed:.1f} s"
+
+
+def test_backward_recovers_at_once_from_a_kill_in_flight(tiny_model_dir: Path, swarm, reference) -> None:
+    slow = add_slow(swarm, 0, NUM_BLOCKS)
+    generator = torch.Generator().manual_seed(7)
+    hidden, weights = torch.randn(2, 5, 64, generator=generator), torch.randn(2, 5, 64, generator=generator)
+    local = hidden.clone().requires_grad_()
+    positions = torch.arange(5).unsqueeze(0).expand(2, -1)
+    out, rotary = local, reference.model.rotary_emb(local, positions)
+    for layer in reference.model.layers:
+        out = layer(out, position_embeddings=rotary, position_ids=positions)
+    (out * weights).sum().backward()
+    with connected_model(tiny_model_dir, swarm, request_timeout_s=REQUEST_TIMEOUT_S) as model:
+        remote = hidden.clone().requires_grad_()
+        output = model.model.layers(remote)  # it ran on the slow server (its first request)
+        elapsed = timed_with_kill(swarm, slow, lambda: (output * weights).sum().backward(), requests=2)
+    assert (remote.grad - local.grad).abs().max().item() <= 1e-5 * local.grad.abs().max().item() + 1e-7
+    assert elapsed < RECOVERED_S, f"backward took {elapsed:.1f} s"
