@@ -12,7 +12,7 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
 
 from swarmlm.errors import ProtocolError
-from swarmlm.protocol.codec import drain, encode, read_only_message
+from swarmlm.protocol.codec import drain, encode, read_message, read_only_message
 from swarmlm.protocol.messages import (
     BackwardRequest,
     ForwardRequest,
@@ -59,24 +59,28 @@ class SpanHandler:
             yield part
 
     async def rpc_push(self, requests: Parts, context: P2PContext) -> Replies:
-        """A step of an open session from the previous server of its route: queued, then acknowledged (its output
-        goes to the session's client and on to the next server, not back to the pusher)."""
-        refused = False
-        try:
-            message = await asyncio.wait_for(
-                read_only_message(requests, PushStep, max_bytes=self.max_request_bytes), self.request_timeout_s
-            )
-            if message is None:
-                raise ProtocolError("empty push stream")
-            reply = self.inference.accept_push(*message)
-        except ProtocolError as e:
-            logger.warning("push rejected peer=...%s: %s", str(context.remote_id)[-6:], short(str(e)))
-            reply, refused = refusal(e), True
-        for part in encode(reply, [], runtime_pb2.ExpertResponse):
-            yield part
-        if refused:
-            with contextlib.suppress(asyncio.TimeoutError, ProtocolError):
-                await asyncio.wait_for(drain(requests, self.max_request_bytes), self.request_timeout_s)
+        """Steps of open sessions from the previous server of their route, one stream per session and pusher: each
+        is queued, then acknowledged (its output goes to the session's client and on to the next server, not back to
+        the pusher). The stream ends when the pusher ends it, or after the session idle timeout without a step."""
+        while True:
+            try:
+                message = await asyncio.wait_for(
+                    read_message(requests, PushStep, max_bytes=self.max_request_bytes), self.inference.idle_timeout_s
+                )
+                if message is None:
+                    return
+                reply = self.inference.accept_push(*message)
+            except TimeoutError:
+                return
+            except ProtocolError as e:
+                logger.warning("push rejected peer=...%s: %s", str(context.remote_id)[-6:], short(str(e)))
+                for part in encode(refusal(e), [], runtime_pb2.ExpertResponse):
+                    yield part
+                with contextlib.suppress(asyncio.TimeoutError, ProtocolError):
+                    await asyncio.wait_for(drain(requests, self.max_request_bytes), self.request_timeout_s)
+                return  # the stream itself is broken: nothing after this can be parsed
+            for part in encode(reply, [], runtime_pb2.ExpertResponse):
+                yield part
 
     async def rpc_info(self, requests: Parts, context: P2PContext) -> Replies:
         # the answer is public (the DHT record says most of it): whatever the request holds, it gets the answer,

@@ -6,8 +6,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
 
 from hivemind.proto import runtime_pb2
 from transformers.cache_utils import DynamicCache
@@ -28,8 +28,19 @@ Replies = AsyncIterator[runtime_pb2.ExpertResponse]
 DRAIN_TIMEOUT_S = 30.0
 # pushed steps a session holds before it runs them (a pusher that sends more is told the server is busy)
 PUSH_QUEUE_STEPS = 2
-# sends a pushed step to the next server of a route: None when it was accepted, else why not
-Pusher = Callable[[PushHop, PushStep, list], Awaitable[str | None]]
+
+
+class Pusher(Protocol):
+    """Sends a pushed step to the next server of a route (server/push.py)."""
+
+    async def __call__(self, hop: PushHop, header: PushStep, tensors: list) -> str | None:
+        """None when the next server accepted the step, else why not."""
+        ...
+
+    def forget(self, session_id: str) -> None:
+        """Close the stream to that session."""
+        ...
+
 Message = tuple[InferenceStep, list]
 
 
@@ -134,13 +145,16 @@ class InferenceSessions:
         self.pushes_received += 1
         return ReplyHeader(ok=True)
 
-    async def _push_on(self, header: InferenceStep, inputs: SpanTensors, outputs: list) -> str | None:
+    async def _push_on(
+        self, header: InferenceStep, inputs: SpanTensors, outputs: list, pushed_to: set[str]
+    ) -> str | None:
         """Send a step's output to the next server of its route; None when it took it, else why not."""
         if self.pusher is None:
             return "this server does not push"
         if inputs.hypo_ids is not None or inputs.prompts is not None:
             return "steps that reorder caches or carry prompts are not pushed"
         hop, rest = header.next_hops[0], header.next_hops[1:]
+        pushed_to.add(hop.session_id)
         pushed = SpanTensors(outputs[0], attention_mask=inputs.attention_mask, position_ids=inputs.position_ids)
         message = PushStep(tensors=pushed.names(), session_id=hop.session_id,
                            start_from_position=hop.start_from_position, next_hops=rest)  # fmt: skip
@@ -151,15 +165,19 @@ class InferenceSessions:
     ) -> Replies:
         cache = DynamicCache()
         reader = _Reader(requests, self.max_message_bytes)
+        pushed_to: set[str] = set()  # sessions this one pushed steps to (their streams close with it)
         try:
-            async for part in self._run_steps(reader, session, peer, inbox, cache):
+            async for part in self._run_steps(reader, session, peer, inbox, cache, pushed_to):
                 yield part
         finally:
             await reader.cancel()
+            if self.pusher is not None:
+                for session_id in pushed_to:
+                    self.pusher.forget(session_id)
 
     async def _run_steps(
         self, reader: _Reader, session: InferenceOpen, peer: str, inbox: asyncio.Queue[Message] | None,
-        cache: DynamicCache,
+        cache: DynamicCache, pushed_to: set[str],
     ) -> Replies:  # fmt: skip
         requests = reader.requests
         while True:
@@ -203,7 +221,7 @@ class InferenceSessions:
                 if not intact:
                     return
                 continue
-            push_error = await self._push_on(header, inputs, outputs) if header.next_hops else None
+            push_error = await self._push_on(header, inputs, outputs, pushed_to) if header.next_hops else None
             logger.info("inference step blocks=%d:%d tokens=%d past=%d peer=...%s %.1f ms%s",
                         session.start_block, session.end_block, inputs.hidden.shape[0] * inputs.hidden.shape[1],
                         past, peer, (time.perf_counter() - began) * 1000,
