@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 from collections.abc import Callable
@@ -13,7 +14,7 @@ from swarmlm.client import trace
 from swarmlm.client.chain import RetryBudget
 from swarmlm.client.loop import LoopThread
 from swarmlm.client.sequence_manager import SequenceManager
-from swarmlm.client.span_call import Expected, SpanStream
+from swarmlm.client.span_call import Expected, SpanStream, fetch_info
 from swarmlm.client.verify import Opinion, settle
 from swarmlm.errors import BadRequestError, MissingBlocksError, RemoteCallError, SessionClosedError
 from swarmlm.protocol.bundle import SpanTensors
@@ -308,11 +309,25 @@ class InferenceSession:
         except BadRequestError:
             raise  # that server refused the step and pushed nothing on; spans before it are cut back next step
         except (RemoteCallError, _PushFailed) as e:
+            # first close what may still receive the step; then count the failure (which may end the request)
+            await self._drop_after(index if spans[index].pending is None else index + 1)
             if isinstance(e, RemoteCallError):
                 retry.failed(spans[index].span, e)
-            await self._drop_after(index if spans[index].pending is None else index + 1)
+            elif index + 1 < len(spans):
+                await self._blame_if_gone(spans[index + 1], retry)
             raise _PushFailed(str(e)) from e
         return outputs
+
+    async def _blame_if_gone(self, span_session: _SpanSession, retry: RetryBudget) -> None:
+        """A server could not push to this one: the client asks it itself, and counts it failed only if it does not
+        answer (one server's word never makes a client avoid another)."""
+        peer_id = span_session.span.peer_id
+        try:
+            await asyncio.wait_for(fetch_info(self.manager, peer_id), max(self.manager.config.ping_timeout_s, 1.0))
+        except TimeoutError:
+            retry.failed(span_session.span, RemoteCallError("no answer after a failed push to it", peer_id))
+        except RemoteCallError as e:
+            retry.failed(span_session.span, e)
 
     async def _drop_after(self, index: int) -> None:
         """Close the streams of spans[index:] (they are rebuilt by the next step's repair)."""
