@@ -39,11 +39,11 @@ def reference(tiny_model_dir: Path) -> torch.nn.Module:
     return load_reference(tiny_model_dir)
 
 
-def connect(swarm: NetSwarm, model_dir: Path, servers: list[LocalServer]) -> torch.nn.Module:
+def connect(swarm: NetSwarm, model_dir: Path, servers: list[LocalServer], **options: object) -> torch.nn.Module:
     with swarm.client_side():
         return AutoDistributedModelForCausalLM.from_pretrained(
             str(model_dir), initial_peers=swarm.initial_peers, request_timeout_s=30.0, ban_base_s=0.5,
-            allowed_servers=tuple(str(s.peer_id) for s in servers),
+            allowed_servers=tuple(str(s.peer_id) for s in servers), **options,
         )  # fmt: skip
 
 
@@ -106,7 +106,9 @@ def test_a_server_sigkilled_mid_generation_changes_nothing(swarm: NetSwarm, tiny
 
 def test_routes_use_the_near_replica_from_the_first_request(swarm: NetSwarm, tiny_model_dir: Path) -> None:
     near, far = swarm.servers[3], swarm.servers[4]
-    model = connect(swarm, tiny_model_dir, [near, far])
+    # routing alone: no spot checks (they re-run requests on the other replica) and no exploration
+    model = connect(swarm, tiny_model_dir, [near, far], verify_probability=0.0, verify_first_requests=0,
+                    explore_interval_s=0)  # fmt: skip
     try:
         manager = model.model.layers.client.manager
         for _ in range(5):

@@ -162,7 +162,8 @@ class SequenceManager:
         blocks up to the configured timeout. session_tokens (batch x max_length): the route opens inference
         sessions of this size, so servers announcing too little free cache for one are avoided while others can
         serve their blocks (announcements lag: when none can, the servers themselves answer). Without spread, the
-        cheapest route is taken (no draw among near-equal ones, no stickiness): spot checks want few servers."""
+        cheapest route is taken (no draw among near-equal ones, no stickiness) and missing blocks are not waited for:
+        spot checks want few servers, and a check without an independent route is skipped, not waited for."""
         began = time.monotonic()
         await self.measure_unknown(start, end)
         while True:
@@ -178,7 +179,7 @@ class SequenceManager:
                 self._last_used.update((span.peer_id, now) for span in route)
                 return route
             waited = time.monotonic() - began
-            if waited >= self.config.missing_blocks_timeout_s:
+            if waited >= self.config.missing_blocks_timeout_s or not spread:  # a spot check never waits for servers
                 missing = missing_blocks(views, start, end, banned=banned)
                 raise MissingBlocksError(missing or list(range(start, end)), waited)
             await asyncio.sleep(MISSING_BLOCKS_POLL_S)
