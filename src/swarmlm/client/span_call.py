@@ -198,41 +198,49 @@ class SpanStream:
         if isinstance(header, InferenceOpen):  # the opening message: the session's blocks, to cost its steps
             self._span = (header.start_block, header.end_block)
         began = time.perf_counter()
-        timeout_s = self.manager.config.request_timeout_s
+        deadline = asyncio.get_running_loop().time() + self.manager.config.request_timeout_s
         wire = self.manager.wire
         sent, wire_expected = to_wire(tensors, wire), expected_on_wire(expected, wire)
-        with remote_errors(self.method, self.peer_id, timeout_s):
-            async with asyncio.timeout(timeout_s):
+        with remote_errors(self.method, self.peer_id, self.manager.config.request_timeout_s):
+            async with asyncio.timeout_at(deadline):
                 if self._stream is None:
                     peer = await self.manager.ensure_connected(self.peer_id)
                     self._stream = await PeerStream.open(self.manager.p2p, peer, self.method)
                     self._replies = self._stream.replies()
                 await self._stream.send(encode(header, sent, runtime_pb2.ExpertRequest))
-                if self._replies is None:
-                    raise RuntimeError("a stream's replies are read from its opening on")
-                message = await read_message(self._replies, ReplyHeader, max_bytes=reply_bytes(wire_expected))
+        message = await self._read(wire_expected, deadline)
         reply, outputs = _checked(self.manager, message, self.method, self.peer_id, time.perf_counter() - began)
-        self.last_reply = reply
-        check_outputs(outputs, wire_expected, self.method, self.peer_id)
-        (start, end), elapsed_s = self._span, time.perf_counter() - began
-        self.manager.record_success(self.peer_id, elapsed_s, call_work(end - start, tensors))
-        kind = getattr(header, "kind", self.method)
-        trace.record_call(self.peer_id, start, end, kind, elapsed_s * 1e3, reply.compute_ms)
-        return from_wire(outputs, [e.dtype for e in expected])
+        elapsed_s = time.perf_counter() - began
+        accepted = self._accept(reply, outputs, expected, getattr(header, "kind", self.method), elapsed_s)
+        self.manager.record_success(self.peer_id, elapsed_s, call_work(self._span[1] - self._span[0], tensors))
+        return accepted
 
     async def receive(self, expected: Sequence[Expected]) -> list[torch.Tensor]:
         """Read one more reply without sending (the answer to a step another server pushed to this session)."""
-        began, timeout_s = time.perf_counter(), self.manager.config.request_timeout_s
-        wire_expected = expected_on_wire(expected, self.manager.wire)
-        with remote_errors(self.method, self.peer_id, timeout_s):
-            async with asyncio.timeout(timeout_s):
+        began = time.perf_counter()
+        deadline = asyncio.get_running_loop().time() + self.manager.config.request_timeout_s
+        message = await self._read(expected_on_wire(expected, self.manager.wire), deadline)
+        reply, outputs = check_reply(message, self.method, self.peer_id)
+        return self._accept(reply, outputs, expected, "pushed step", time.perf_counter() - began)
+
+    async def _read(
+        self, wire_expected: Sequence[Expected], deadline: float
+    ) -> tuple[ReplyHeader, list[torch.Tensor]] | None:
+        """The next reply on the open stream, read by the deadline and only up to the expected bytes."""
+        with remote_errors(self.method, self.peer_id, self.manager.config.request_timeout_s):
+            async with asyncio.timeout_at(deadline):
                 if self._replies is None:
                     raise ProtocolError("the stream is not open")
-                message = await read_message(self._replies, ReplyHeader, max_bytes=reply_bytes(wire_expected))
-        self.last_reply, outputs = check_reply(message, self.method, self.peer_id)
-        check_outputs(outputs, wire_expected, self.method, self.peer_id)
-        (start, end), waited_ms = self._span, (time.perf_counter() - began) * 1e3
-        trace.record_call(self.peer_id, start, end, "pushed step", waited_ms, self.last_reply.compute_ms)
+                return await read_message(self._replies, ReplyHeader, max_bytes=reply_bytes(wire_expected))
+
+    def _accept(
+        self, reply: ReplyHeader, outputs: list[torch.Tensor], expected: Sequence[Expected], kind: str,
+        elapsed_s: float,
+    ) -> list[torch.Tensor]:  # fmt: skip
+        """A reply's tensors once checked (as they travelled) and traced, widened back to the expected dtypes."""
+        self.last_reply = reply
+        check_outputs(outputs, expected_on_wire(expected, self.manager.wire), self.method, self.peer_id)
+        trace.record_call(self.peer_id, *self._span, kind, elapsed_s * 1e3, reply.compute_ms)
         return from_wire(outputs, [e.dtype for e in expected])
 
     async def close(self) -> None:
