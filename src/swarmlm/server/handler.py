@@ -76,8 +76,7 @@ class SpanHandler:
                 logger.warning("push rejected peer=...%s: %s", str(context.remote_id)[-6:], short(str(e)))
                 for part in encode(refusal(e), [], runtime_pb2.ExpertResponse):
                     yield part
-                with contextlib.suppress(asyncio.TimeoutError, ProtocolError):
-                    await asyncio.wait_for(drain(requests, self.max_request_bytes), self.request_timeout_s)
+                await self._drain(requests)
                 return  # the stream itself is broken: nothing after this can be parsed
             for part in encode(reply, [], runtime_pb2.ExpertResponse):
                 yield part
@@ -130,6 +129,11 @@ class SpanHandler:
             reply, outputs = ReplyHeader(ok=False, error=text, error_kind="server"), []
         for part in encode(reply, outputs, runtime_pb2.ExpertResponse):
             yield part
-        if refused:  # answer first, then read what the sender still sends, so its writes do not break its pipe
-            with contextlib.suppress(asyncio.TimeoutError, ProtocolError):
-                await asyncio.wait_for(drain(requests, self.max_request_bytes), self.request_timeout_s)
+        if refused:
+            await self._drain(requests)
+
+    async def _drain(self, requests: Parts) -> None:
+        """After a refusal is answered: read what the sender still sends (up to the deadline), so that its writes do
+        not break its pipe before it reads the answer."""
+        with contextlib.suppress(asyncio.TimeoutError, ProtocolError):
+            await asyncio.wait_for(drain(requests, self.max_request_bytes), self.request_timeout_s)

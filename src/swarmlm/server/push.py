@@ -31,7 +31,6 @@ class Pusher:
         self.p2p, self.records, self.timeout_s = p2p, records, timeout_s
         self._dialed: set[str] = set()
         self._links: dict[str, tuple[PeerStream, AsyncIterator[runtime_pb2.ExpertResponse]]] = {}  # by session id
-        self.sent = 0  # pushes the next server accepted
 
     async def __call__(self, hop: PushHop, header: PushStep, tensors: list) -> str | None:
         """None when the next server accepted the step, else why not (the client then sends it itself)."""
@@ -64,7 +63,6 @@ class Pusher:
             if not reply.ok:
                 self.forget(hop.session_id)
                 return short(reply.error or "refused")
-            self.sent += 1
             return None
         return "the next server keeps closing the push stream"
 
