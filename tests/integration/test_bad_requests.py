@@ -15,6 +15,7 @@ from hivemind.proto import runtime_pb2
 from swarmlm.client.loop import LoopThread
 from swarmlm.protocol import service
 from swarmlm.protocol.codec import encode, read_message
+from swarmlm.protocol.lora import LoraSpec
 from swarmlm.protocol.messages import PROTOCOL_VERSION, BackwardRequest, ForwardRequest, ReplyHeader
 from swarmlm.swarm.dht import start_dht
 from tests.conftest import LOGITS_ATOL, connected_model, load_reference, running_swarm
@@ -82,6 +83,7 @@ def good_header(**overrides: object) -> ForwardRequest:
 
 
 HIDDEN = torch.randn(1, 4, 64)
+LORA = LoraSpec(rank=2, scaling=2.0, targets=("q_proj", "v_proj"))
 V1 = {"protocol_version": PROTOCOL_VERSION, "kind": "forward", "start_block": 0, "end_block": 5}
 CASES = {
     "out-of-span blocks": (ForwardRequest(start_block=3, end_block=9), [HIDDEN], "not served here"),
@@ -135,6 +137,46 @@ CASES = {
         ForwardRequest(start_block=1, end_block=2, tensors=["hidden", "prompts"]),
         [HIDDEN, torch.full((1, 2, 64), float("nan"))],
         "prompts contain NaN",
+    ),
+    # rank 2 on q_proj (64 -> 64) and v_proj (64 -> 32) of one block: 2 * (64 + 64) + 2 * (64 + 32) = 448 values
+    "LoRA weights of the wrong size": (
+        ForwardRequest(start_block=0, end_block=1, tensors=["hidden", "lora"], lora=LORA), [HIDDEN, torch.zeros(447)],
+        "lora must be a flat tensor of 448 values",
+    ),
+    "LoRA weights as a matrix": (
+        ForwardRequest(start_block=0, end_block=1, tensors=["hidden", "lora"], lora=LORA),
+        [HIDDEN, torch.zeros(448, 1)],
+        "lora must be a flat tensor of 448 values",
+    ),
+    "LoRA weights of too many blocks": (
+        ForwardRequest(start_block=0, end_block=1, tensors=["hidden", "lora"], lora=LORA), [HIDDEN, torch.zeros(896)],
+        "got shape (896,)",
+    ),
+    "NaN LoRA weights": (
+        ForwardRequest(start_block=0, end_block=1, tensors=["hidden", "lora"], lora=LORA),
+        [HIDDEN, torch.full((448,), float("nan"))],
+        "lora contains NaN",
+    ),
+    "LoRA target the blocks lack": (
+        ForwardRequest(
+            start_block=0, end_block=1, tensors=["hidden", "lora"], lora=LoraSpec(rank=2, scaling=1.0, targets=("w",))
+        ),
+        [HIDDEN, torch.zeros(448)],
+        "LoRA targets do not fit this model",
+    ),
+    "LoRA weights without their description": (
+        ForwardRequest(start_block=0, end_block=1, tensors=["hidden", "lora"]), [HIDDEN, torch.zeros(448)],
+        "travel as a 'lora' tensor",
+    ),
+    "LoRA rank above the limit": (
+        {**V1, "tensors": ["hidden", "lora"], "lora": {"rank": 65, "scaling": 1.0, "targets": ["q_proj"]}},
+        [HIDDEN, torch.zeros(8)],
+        "lora.rank",
+    ),
+    "LoRA scaling not finite": (
+        {**V1, "tensors": ["hidden", "lora"], "lora": {"rank": 2, "scaling": float("inf"), "targets": ["q_proj"]}},
+        [HIDDEN, torch.zeros(8)],
+        "lora.scaling",
     ),
 }
 

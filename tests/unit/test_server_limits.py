@@ -108,7 +108,9 @@ class FailingBackend:
         self.limits = SpanLimits(start=0, end=2, hidden_size=8, max_tokens=64, max_position=64)
         self.touch_cache = touch_cache
 
-    async def step(self, cache, start, end, inputs, chunk_tokens, start_from=None, peer="", adapter=None):  # noqa: ANN001, ANN201
+    async def step(  # noqa: ANN201
+        self, cache, start, end, inputs, chunk_tokens, start_from=None, peer="", adapter=None, lora=None  # noqa: ANN001
+    ):
         if self.touch_cache:
             cache.update(torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 1, 4), 0)
         raise RuntimeError("boom " + "x" * 5000)

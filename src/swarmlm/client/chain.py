@@ -14,6 +14,7 @@ from swarmlm.client.span_call import Expected, RerouteError, call_span
 from swarmlm.client.verify import Opinion, settle
 from swarmlm.errors import BadRequestError, MissingBlocksError, RemoteCallError
 from swarmlm.protocol.bundle import SpanTensors
+from swarmlm.protocol.lora import LoraWeights
 from swarmlm.protocol.messages import BackwardRequest, ForwardRequest
 from swarmlm.swarm.routing import RouteSpan
 
@@ -29,16 +30,18 @@ class Hop:
 @dataclass(frozen=True)
 class ChainArgs:
     """One (sub-)batch's bundle for a chain: at each hop its hidden states are the previous hop's output, its deep
-    prompts are cut to the hop's blocks, and the rest (mask, positions) travels unchanged."""
+    prompts and LoRA weights are cut to the hop's blocks, and the rest (mask, positions) travels unchanged."""
 
     inputs: SpanTensors  # the chain's input: hidden (batch, seq, hidden) and what travels with it
     prompts_start: int = 0  # inputs.prompts[i] is for block prompts_start + i
+    lora: LoraWeights | None = None  # the client's own LoRA weights of (at least) the chain's blocks
 
     def for_span(self, span: RouteSpan, hidden: torch.Tensor, grad: torch.Tensor | None = None) -> SpanTensors:
         prompts = self.inputs.prompts
         if prompts is not None:
             prompts = prompts[span.start - self.prompts_start : span.end - self.prompts_start]
-        return replace(self.inputs, hidden=hidden, grad_outputs=grad, prompts=prompts)
+        lora = None if self.lora is None else self.lora.blocks(span.start, span.end).flat
+        return replace(self.inputs, hidden=hidden, grad_outputs=grad, prompts=prompts, lora=lora)
 
 
 class RetryBudget:
@@ -101,12 +104,13 @@ async def _call(
     bundle = args.for_span(span, hidden, grad)
     request_type = ForwardRequest if grad is None else BackwardRequest
     header = request_type(
-        start_block=span.start, end_block=span.end, tensors=bundle.names(), adapter=manager.config.active_adapter
-    )
-    # the reply: hidden states (or their gradient) like the input, and in backward the prompts' gradient
+        start_block=span.start, end_block=span.end, tensors=bundle.names(), adapter=manager.config.active_adapter,
+        lora=None if args.lora is None else args.lora.spec,
+    )  # fmt: skip
+    # the reply: hidden states (or their gradient) like the input, and in backward the prompts' and LoRA gradients
     expected = [Expected.like(hidden)]
-    if grad is not None and bundle.prompts is not None:
-        expected.append(Expected.like(bundle.prompts))
+    if grad is not None:
+        expected += [Expected.like(t) for t in (bundle.prompts, bundle.lora) if t is not None]
     _, outputs = await call_span(manager, span.peer_id, f"rpc_{header.kind}", header, bundle.tensors(), expected)
     return outputs
 
@@ -179,14 +183,16 @@ async def check_hop(
 
 async def run_backward_chain(
     manager: SequenceManager, hops: list[Hop], grad: torch.Tensor, args: ChainArgs
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Gradients wrt the chain's input and its prompts, walking the hops in reverse.
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Gradients wrt the chain's input, its prompts and its LoRA weights (args.lora.flat), walking the hops in
+    reverse.
 
     When a hop's server fails, the forward of exactly that block range is re-run from the hop's saved input on a
     new route, and the backward continues through the replacement hops: the gradients do not change.
     """
     retry, pending = RetryBudget(manager), list(hops)
     grad_prompts = None if args.inputs.prompts is None else torch.zeros_like(args.inputs.prompts)
+    grad_lora = None if args.lora is None else torch.zeros_like(args.lora.flat)
     while pending:
         hop = pending.pop()
         try:
@@ -202,4 +208,7 @@ async def run_backward_chain(
         if grad_prompts is not None:
             begin = hop.span.start - args.prompts_start
             grad_prompts[begin : begin + hop.span.end - hop.span.start] += grads[1]
-    return grad, grad_prompts
+        if grad_lora is not None and args.lora is not None:
+            bounds, first = args.lora.layout.bounds, args.lora.first
+            grad_lora[bounds[hop.span.start - first] : bounds[hop.span.end - first]] += grads[-1]
+    return grad, grad_prompts, grad_lora

@@ -14,6 +14,7 @@ from swarmlm.client.speculative import DraftModel, PromptLookup, Proposer, specu
 if TYPE_CHECKING:
     from transformers import GenerationMixin, PreTrainedModel
 
+    from swarmlm.client.lora import LoraTuning
     from swarmlm.client.prompts import PromptTuning
     from swarmlm.models.registry import ModelFamily
 
@@ -88,6 +89,7 @@ class RemoteGenerationMixin(_ModelBase):
     if TYPE_CHECKING:  # set by DistributedCausalLMMixin, and the HF decoder of the class mixed into
         family: ModelFamily
         prompt_tuning: PromptTuning | None
+        lora_tuning: LoraTuning | None
         model: Any  # the family's decoder: embeddings, rotary_emb, norm, and layers (a RemoteSequential)
 
     def inference_session(self, max_length: int) -> InferenceSession:
@@ -225,7 +227,13 @@ class RemoteGenerationMixin(_ModelBase):
             position_ids = None if position_ids is None else position_ids + tuning.pre_seq_len
         if attention_mask is not None and bool(attention_mask.all()):
             attention_mask = None
-        hidden = session.step(embeds, prompts, hypo_ids, attention_mask=attention_mask, position_ids=position_ids)
+        lora = None
+        if self.lora_tuning is not None and fresh:
+            # the session keeps the LoRA weights of its first step (the model's current ones) for all its steps
+            lora = self.lora_tuning.weights()
+        hidden = session.step(
+            embeds, prompts, hypo_ids, attention_mask=attention_mask, position_ids=position_ids, lora=lora
+        )
         session.token_ids = input_ids
         hidden = self.get_submodule(self.family.norm_name)(hidden.to(embeds.dtype))
         if tuning is not None and fresh:

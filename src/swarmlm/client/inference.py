@@ -18,6 +18,7 @@ from swarmlm.client.span_call import Expected, SpanStream, fetch_info
 from swarmlm.client.verify import Opinion, settle
 from swarmlm.errors import BadRequestError, MissingBlocksError, RemoteCallError, SessionClosedError
 from swarmlm.protocol.bundle import SpanTensors
+from swarmlm.protocol.lora import LoraWeights
 from swarmlm.protocol.messages import InferenceOpen, InferenceStep, PushHop
 from swarmlm.swarm.routing import RouteSpan
 
@@ -92,6 +93,7 @@ class _SpanSession:
         self.tokens = 0  # tokens the server's cache holds (more than the session's position after a failed step)
         self.pending: SpanTensors | None = None  # a step this server ran that the session has not committed
         self.broken = False  # the stream failed: the server's cache is lost to us
+        self.lora_sent: LoraWeights | None = None  # the session's LoRA weights, once this server has them
 
     async def open(self, batch_size: int, max_length: int) -> None:
         header = InferenceOpen(
@@ -101,17 +103,26 @@ class _SpanSession:
         await self.stream.exchange(header, [])
 
     async def send(
-        self, inputs: SpanTensors, start_from: int | None = None, next_hops: list[PushHop] | None = None
-    ) -> torch.Tensor:
+        self, inputs: SpanTensors, start_from: int | None = None, next_hops: list[PushHop] | None = None,
+        lora: LoraWeights | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         """Run one step (inputs.prompts: the whole session's; this span gets its blocks' rows) and return its output
         hidden states; start_from first cuts the server's cache back to that many tokens; with next_hops the server
-        also pushes its output on to them (see server/push.py)."""
+        also pushes its output on to them (see server/push.py). lora: the session's LoRA weights, sent with the
+        first step that has them (the server keeps them for the session's later steps)."""
         sent = inputs
         if inputs.prompts is not None:
             offset = self.span.start - self.session_start
             sent = replace(inputs, prompts=inputs.prompts[offset : offset + self.span.end - self.span.start])
-        header = InferenceStep(tensors=sent.names(), start_from_position=start_from, next_hops=next_hops or [])
+        spec = None
+        if lora is not None and lora is not self.lora_sent:
+            mine = lora.blocks(self.span.start, self.span.end)
+            sent, spec = replace(sent, lora=mine.flat), mine.spec
+        header = InferenceStep(
+            tensors=sent.names(), start_from_position=start_from, next_hops=next_hops or [], lora=spec
+        )
         outputs = await self.stream.exchange(header, sent.tensors())
+        self.lora_sent = lora or self.lora_sent
         if len(outputs) != 1 or outputs[0].shape != inputs.hidden.shape:
             raise RemoteCallError(f"inference reply has shapes {[tuple(o.shape) for o in outputs]}", self.span.peer_id)
         return outputs[0]
@@ -162,6 +173,8 @@ class InferenceSession:
         self._active = active  # the owner's sessions open in `with` blocks (generate() uses the innermost)
         self.last_trace: trace.RequestTrace | None = None  # of the last step
         self._on_trace = on_trace  # also told of each step's trace (the model's last_trace)
+        # LoRA weights every server of the session applies (sent once to each, again to replacements on failover)
+        self._lora: LoraWeights | None = None
 
     @property
     def route(self) -> list[RouteSpan]:
@@ -196,18 +209,23 @@ class InferenceSession:
         *,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        lora: LoraWeights | None = None,
     ) -> torch.Tensor:
         """Hidden states (batch, new tokens, hidden) after the session's blocks for the new tokens' inputs.
 
         prompts: deep prompts of the session's blocks, (blocks, prefix, hidden) or (blocks, batch, prefix, hidden);
         hypo_ids (batch,): cache rows to continue from (beam search); attention_mask (batch, position + new tokens);
-        position_ids (batch, new tokens).
+        position_ids (batch, new tokens). lora: LoRA weights (of at least the session's blocks) that this step and
+        all later ones run with, until a step gives others; each server receives them once (a replay on failover
+        sends them again), and such steps always run alone on the servers, never pushed or batched.
         """
         if hidden.ndim != 3:
             raise ValueError(f"hidden states must be (batch, seq, hidden), got {tuple(hidden.shape)}")
         blocks = self.end - self.start
         if prompts is not None and (prompts.ndim not in (3, 4) or prompts.shape[0] != blocks):
             raise ValueError(f"prompts must be ({blocks}, prefix, hidden) or ({blocks}, batch, prefix, hidden)")
+        if lora is not None:
+            self._lora = lora.with_flat(lora.flat.detach().cpu()).blocks(self.start, self.end)
         inputs = SpanTensors(
             hidden.detach().cpu(), attention_mask=attention_mask, position_ids=position_ids, hypo_ids=hypo_ids,
             prompts=None if prompts is None else prompts.detach().cpu(),
@@ -276,6 +294,7 @@ class InferenceSession:
             and inputs.hidden.shape[1] > 0
             and inputs.hypo_ids is None
             and inputs.prompts is None
+            and self._lora is None
             and not any(s.broken or s.pending is not None for s in spans)
             and all(a.span.end == b.span.start for a, b in zip(spans, spans[1:], strict=False))
             and spans[0].span.start == self.start
@@ -366,7 +385,7 @@ class InferenceSession:
             sent = replace(inputs, hidden=hidden)
             start_from = None if span_session.tokens == self._position else self._position
             try:
-                out = await span_session.send(sent, start_from)
+                out = await span_session.send(sent, start_from, lora=self._lora)
             except BadRequestError:
                 raise  # the server kept its cache as it was; spans before this one are cut back at the next step
             except RemoteCallError as e:
@@ -414,7 +433,7 @@ class InferenceSession:
                     hidden = sent.hidden
                     for span_session in chain:
                         step = replace(sent, hidden=hidden)
-                        hidden = await span_session.send(step)
+                        hidden = await span_session.send(step, lora=self._lora)
                         span_session.pending, span_session.tokens = step, span_session.tokens + hidden.shape[1]
             except (RemoteCallError, MissingBlocksError) as e:
                 await _close_all(chain)
@@ -494,7 +513,7 @@ class InferenceSession:
                     hidden = step.hidden
                     for span_session in replacement:
                         sent = replace(step, hidden=hidden)
-                        hidden = await span_session.send(sent)
+                        hidden = await span_session.send(sent, lora=self._lora)
                         span_session.history.append(sent)
                         span_session.tokens += sent.hidden.shape[1]
                 logger.info("Rebuilt blocks %d:%d from %d steps", lost.span.start, lost.span.end, len(lost.history))

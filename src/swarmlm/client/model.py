@@ -14,6 +14,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from swarmlm.client.generation import RemoteGenerationMixin, SessionStacks
 from swarmlm.client.inference import InferenceSession
+from swarmlm.client.lora import DEFAULT_ALPHA, DEFAULT_RANK, DEFAULT_TARGETS, LoraTuning
 from swarmlm.client.prompts import PromptTuning
 from swarmlm.client.remote_sequential import RemoteSequential, SwarmClient
 from swarmlm.client.trace import RequestTrace
@@ -54,13 +55,18 @@ class DistributedCausalLMMixin(RemoteGenerationMixin):
         cache_dir: str | os.PathLike | None = None,
         tuning_mode: str | None = None,
         pre_seq_len: int = 16,
+        lora_rank: int = DEFAULT_RANK,
+        lora_alpha: int = DEFAULT_ALPHA,
+        lora_target_modules: tuple[str, ...] | list[str] = DEFAULT_TARGETS,
         swarm_key: str | os.PathLike | bytes | None = None,
         **client_options: Any,
     ) -> DistributedCausalLMMixin:
         """Load the local parts of `model` (a name, .gguf or HF folder) and connect to the swarm serving its blocks.
 
         dtype is that of the local parts ("auto": the checkpoint's); torch_dtype is its older name, as in Petals.
-        tuning_mode "ptune" or "deep_ptune" adds pre_seq_len trainable prompts (the only trainable parameters).
+        tuning_mode "ptune" or "deep_ptune" adds pre_seq_len trainable prompts (the only trainable parameters);
+        "lora" adds trainable LoRA matrices of rank lora_rank (scaling lora_alpha / lora_rank, as PEFT) on the
+        lora_target_modules of every block (no dropout), which travel with every request to the servers.
         swarm_key: a private swarm's key file (or its 32-byte secret).
         client_options are ClientConfig fields (dht_prefix, max_tokens_per_request, request_timeout_s, ...).
         """
@@ -85,8 +91,12 @@ class DistributedCausalLMMixin(RemoteGenerationMixin):
             instance = distributed_cls(config)
         instance._load_local_parts(model_dir, dtype)
         instance.prompt_tuning = None
+        instance.lora_tuning = None
         instance._session_stacks = SessionStacks()
-        if tuning_mode is not None:
+        if tuning_mode == "lora":
+            targets = (lora_target_modules,) if isinstance(lora_target_modules, str) else lora_target_modules
+            instance.lora_tuning = LoraTuning(config, family, str(model), lora_rank, lora_alpha, targets)
+        elif tuning_mode is not None:
             instance.prompt_tuning = PromptTuning(
                 tuning_mode, pre_seq_len, config.hidden_size, config.num_hidden_layers, config.initializer_range
             )
@@ -144,8 +154,9 @@ class DistributedCausalLMMixin(RemoteGenerationMixin):
         if tuning is not None:
             inputs_embeds, attention_mask, position_ids = tuning.extend(inputs_embeds, attention_mask, position_ids)
             deep_prompts = tuning.deep_prompts
+        lora = None if self.lora_tuning is None else self.lora_tuning.weights()
         hidden = self.model.layers(
-            inputs_embeds, attention_mask=attention_mask, position_ids=position_ids, prompts=deep_prompts
+            inputs_embeds, attention_mask=attention_mask, position_ids=position_ids, prompts=deep_prompts, lora=lora
         )
         hidden = self.get_submodule(self.family.norm_name)(hidden.to(inputs_embeds.dtype))
         if tuning is not None:
@@ -164,6 +175,21 @@ class DistributedCausalLMMixin(RemoteGenerationMixin):
     def load_prompts(self, directory: str | os.PathLike) -> None:
         """Load prompts saved by save_prompts into a model made with the same tuning_mode and pre_seq_len."""
         self._tuning().load(directory)
+
+    def save_adapter(self, directory: str | os.PathLike) -> None:
+        """Save the LoRA weights (tuning_mode="lora") as a PEFT adapter folder: `swarmlm serve --adapters` serves it
+        and peft.PeftModel.from_pretrained loads it."""
+        self._lora().save(directory)
+
+    def load_adapter(self, directory: str | os.PathLike) -> None:  # type: ignore[override]
+        """Load LoRA weights saved by save_adapter (or PEFT) into a model made with tuning_mode="lora" and the
+        same lora_rank, lora_alpha and lora_target_modules."""
+        self._lora().load(directory)
+
+    def _lora(self) -> LoraTuning:
+        if self.lora_tuning is None:
+            raise ValueError("this model has no LoRA weights: load it with tuning_mode='lora'")
+        return self.lora_tuning
 
     def _tuning(self) -> PromptTuning:
         if self.prompt_tuning is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Coroutine, Iterable, Sequence
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import torch
@@ -19,6 +20,7 @@ from swarmlm.client.span_call import RerouteError, fetch_info
 from swarmlm.config import ClientConfig
 from swarmlm.errors import SessionClosedError
 from swarmlm.protocol.bundle import SpanTensors
+from swarmlm.protocol.lora import LoraWeights
 from swarmlm.protocol.messages import ServerInfo
 
 logger = logging.getLogger(__name__)
@@ -136,12 +138,14 @@ class RemoteSequential(nn.Module):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         prompts: torch.Tensor | None = None,
+        lora: LoraWeights | None = None,
     ) -> torch.Tensor:
         """hidden (batch, seq, hidden) -> hidden after the blocks; big batches run as concurrent sub-batches.
 
         prompts (len(self), prefix, hidden), or per sample (len(self), batch, prefix, hidden): deep prompts,
-        prompts[i] added to the first `prefix` positions of the input of this slice's block i. Differentiable wrt
-        hidden and prompts.
+        prompts[i] added to the first `prefix` positions of the input of this slice's block i. lora: the caller's
+        own LoRA weights of exactly this slice's blocks, applied by the servers. Differentiable wrt hidden, prompts
+        and lora.flat.
         """
         if self.client.closed:
             raise SessionClosedError("this model's swarm connection is closed")
@@ -158,7 +162,10 @@ class RemoteSequential(nn.Module):
                 f"prompts must be ({len(self)}, prefix, hidden) or ({len(self)}, batch, prefix, hidden), "
                 f"got {tuple(prompts.shape)}"
             )
-        return _RemoteBlocks.apply(hidden, prompts, self, attention_mask, position_ids)
+        if lora is not None and (lora.first, lora.end) != (self.start, self.end):
+            raise ValueError(f"lora holds blocks {lora.first}:{lora.end}, not this slice's {self.start}:{self.end}")
+        flat = None if lora is None else lora.flat
+        return _RemoteBlocks.apply(hidden, prompts, flat, self, attention_mask, position_ids, lora)
 
     def _pieces(
         self,
@@ -166,13 +173,14 @@ class RemoteSequential(nn.Module):
         mask: torch.Tensor | None,
         positions: torch.Tensor | None,
         prompts: torch.Tensor | None,
+        lora: LoraWeights | None = None,
     ) -> list[Piece]:
         """The sub-batches (row ranges) of a batch and the arguments each one's chain carries: at most the client's
         max_tokens_per_request tokens each, and no more than the servers of every block announce they accept."""
         max_tokens = self.client.manager.request_limit(self.start, self.end)
         inputs = SpanTensors(hidden, attention_mask=mask, position_ids=positions, prompts=prompts)
         return [
-            (begin, end, ChainArgs(inputs.select_rows(begin, end), prompts_start=self.start))
+            (begin, end, ChainArgs(inputs.select_rows(begin, end), prompts_start=self.start, lora=lora))
             for begin, end in split_batch(hidden.shape[0], hidden.shape[1], max_tokens)
         ]
 
@@ -195,8 +203,8 @@ class RemoteSequential(nn.Module):
             middle = (end - begin) // 2
             logger.info("Splitting a sub-batch of %d rows that no server accepts: %s", end - begin, e)
             halves = [
-                (begin, begin + middle, ChainArgs(args.inputs.select_rows(0, middle), args.prompts_start)),
-                (begin + middle, end, ChainArgs(args.inputs.select_rows(middle, end - begin), args.prompts_start)),
+                (begin, begin + middle, replace(args, inputs=args.inputs.select_rows(0, middle))),
+                (begin + middle, end, replace(args, inputs=args.inputs.select_rows(middle, end - begin))),
             ]
             results = await gather_or_cancel(self._forward_piece(half) for half in halves)
             return [result for half_results in results for result in half_results]
@@ -204,19 +212,22 @@ class RemoteSequential(nn.Module):
 
     async def _backward(
         self, grad: torch.Tensor, pieces: Sequence[Piece], hops: list[list[Hop]]
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Gradients wrt hidden, prompts and LoRA weights, summed over the sub-batches where they are shared."""
         manager = self.client.manager
         results = await gather_or_cancel(
             run_backward_chain(manager, piece_hops, grad[begin:end], args)
             for (begin, end, args), piece_hops in zip(pieces, hops, strict=True)
         )
-        grad_hidden = torch.cat([g for g, _ in results], dim=0)
-        grad_prompts = [g for _, g in results if g is not None]
+        grad_hidden = torch.cat([g for g, _, _ in results], dim=0)
+        grad_loras = [g for _, _, g in results if g is not None]
+        grad_lora = torch.stack(grad_loras).sum(0) if grad_loras else None
+        grad_prompts = [g for _, g, _ in results if g is not None]
         if not grad_prompts:
-            return grad_hidden, None
+            return grad_hidden, None, grad_lora
         if grad_prompts[0].ndim == 4:  # per-sample prompts: each sub-batch has its own rows
-            return grad_hidden, torch.cat(grad_prompts, dim=1)
-        return grad_hidden, torch.stack(grad_prompts).sum(0)
+            return grad_hidden, torch.cat(grad_prompts, dim=1), grad_lora
+        return grad_hidden, torch.stack(grad_prompts).sum(0), grad_lora
 
 
 class _RemoteBlocks(torch.autograd.Function):
@@ -227,25 +238,31 @@ class _RemoteBlocks(torch.autograd.Function):
         ctx: Any,  # autograd's context: forward stores what backward needs as its attributes
         hidden: torch.Tensor,
         prompts: torch.Tensor | None,
+        lora_flat: torch.Tensor | None,  # lora.flat, an argument of its own so that autograd gives its gradient
         blocks: RemoteSequential,
         mask: torch.Tensor | None,
         positions: torch.Tensor | None,
+        lora: LoraWeights | None,
     ) -> torch.Tensor:
         send_prompts = None if prompts is None else prompts.detach().cpu()
-        pieces = blocks._pieces(hidden.detach().cpu(), mask, positions, send_prompts)
+        send_lora = None if lora is None or lora_flat is None else lora.with_flat(lora_flat.detach().cpu())
+        pieces = blocks._pieces(hidden.detach().cpu(), mask, positions, send_prompts, send_lora)
         output, pieces, hops = blocks.client.run_traced("forward", blocks._forward(pieces))
         ctx.blocks, ctx.pieces, ctx.hops = blocks, pieces, hops
         ctx.hidden_meta = (hidden.dtype, hidden.device)
         ctx.prompts_meta = None if prompts is None else (prompts.dtype, prompts.device)
+        ctx.lora_meta = None if lora_flat is None else (lora_flat.dtype, lora_flat.device)
         return output.to(hidden.device, hidden.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple:
         blocks: RemoteSequential = ctx.blocks
-        grad_hidden, grad_prompts = blocks.client.run_traced(
+        grad_hidden, grad_prompts, grad_lora = blocks.client.run_traced(
             "backward", blocks._backward(grad_output.detach().cpu().float(), ctx.pieces, ctx.hops)
         )
         grad_hidden = grad_hidden.to(ctx.hidden_meta[1], ctx.hidden_meta[0])
         if grad_prompts is not None:
             grad_prompts = grad_prompts.to(ctx.prompts_meta[1], ctx.prompts_meta[0])
-        return grad_hidden, grad_prompts, None, None, None
+        if grad_lora is not None:
+            grad_lora = grad_lora.to(ctx.lora_meta[1], ctx.lora_meta[0])
+        return grad_hidden, grad_prompts, grad_lora, None, None, None, None

@@ -11,7 +11,9 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 
 from swarmlm.errors import ModelLoadError
 from swarmlm.models.loading import load_config, load_tensors
+from swarmlm.models.lora import lora_applied
 from swarmlm.models.registry import FULL_ATTENTION, SLIDING_ATTENTION, ModelFamily, get_family
+from swarmlm.protocol.lora import LoraWeights
 
 # how Hugging Face builds the mask of each attention kind (a sliding window reads config.sliding_window)
 _MASK_BUILDERS = {FULL_ATTENTION: create_causal_mask, SLIDING_ATTENTION: create_sliding_window_causal_mask}
@@ -74,6 +76,7 @@ class SpanModel(nn.Module):
         cache: Cache | None = None,
         prompts: torch.Tensor | None = None,
         adapter: str | None = None,
+        lora: LoraWeights | None = None,
     ) -> torch.Tensor:
         """Run blocks [start, end) (default: the whole span) over hidden (batch, seq, hidden).
 
@@ -81,7 +84,8 @@ class SpanModel(nn.Module):
         position_ids default to past + arange(seq), like the local model. prompts (end - start, prefix, hidden) or
         (end - start, batch, prefix, hidden), if given, are deep prompts: prompts[i] is added to the first `prefix`
         positions of block start+i's input (with a cache, to those of this call's tokens whose positions past + j
-        fall inside the prefix). adapter names a loaded LoRA adapter to apply (None: the base model).
+        fall inside the prefix). adapter names a loaded LoRA adapter to apply (None: the base model); lora, the
+        request's own LoRA weights of (at least) blocks [start, end), applied for this call only.
         """
         self.use_adapter(adapter)
         start = self.start if start is None else start
@@ -104,14 +108,15 @@ class SpanModel(nn.Module):
         for index, layer in enumerate(self.layers[start - self.start : end - self.start]):
             if prompts is not None:
                 hidden = add_prompt(hidden, prompts[index], past)
-            hidden = layer(
-                hidden,
-                attention_mask=masks[kinds[index]],
-                position_ids=position_ids,
-                cache=cache,
-                use_cache=cache is not None,
-                position_embeddings=rotaries[kinds[index]],
-            )
+            with lora_applied(layer, lora, start + index):
+                hidden = layer(
+                    hidden,
+                    attention_mask=masks[kinds[index]],
+                    position_ids=position_ids,
+                    cache=cache,
+                    use_cache=cache is not None,
+                    position_embeddings=rotaries[kinds[index]],
+                )
         return hidden
 
     def use_adapter(self, adapter: str | None) -> None:

@@ -15,7 +15,7 @@ import torch
 
 from swarmlm.errors import ProtocolError
 
-TensorName = Literal["hidden", "grad_outputs", "attention_mask", "position_ids", "hypo_ids", "prompts"]
+TensorName = Literal["hidden", "grad_outputs", "attention_mask", "position_ids", "hypo_ids", "prompts", "lora"]
 # wire order of the tensors of a message: the order of SpanTensors' fields
 WIRE_ORDER: tuple[TensorName, ...] = get_args(TensorName)
 
@@ -30,6 +30,7 @@ class SpanTensors:
     position_ids: torch.Tensor | None = None  # (batch, seq) absolute positions
     hypo_ids: torch.Tensor | None = None  # (batch,) cache rows to reorder to before an inference step (beam search)
     prompts: torch.Tensor | None = None  # deep prompts (blocks, prefix, hidden), or per sample (blocks, batch, ...)
+    lora: torch.Tensor | None = None  # (values,) the LoRA matrices of the message's blocks (protocol.lora)
 
     def names(self) -> list[TensorName]:
         """Names of the tensors present, in wire order (the header's `tensors` field)."""

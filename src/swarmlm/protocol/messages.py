@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from swarmlm.errors import ProtocolError
 from swarmlm.protocol.bundle import TensorName, check_names
+from swarmlm.protocol.lora import LoraSpec
 
 # Bumped on any incompatible change of a header or of the tensors that follow it.
 PROTOCOL_VERSION = 3
@@ -50,25 +51,30 @@ class ForwardRequest(_TensorsHeader):
 
     Tensors: hidden (batch, seq, hidden), optionally attention_mask (batch, seq), position_ids (batch, seq) and deep
     prompts ((end_block - start_block) blocks, prefix or per-sample, added to the first positions of each block's
-    input). The reply carries the output hidden states.
+    input), and the client's LoRA weights of those blocks ("lora", described by the `lora` field, protocol.lora).
+    The reply carries the output hidden states.
     """
 
-    ALLOWED: ClassVar[tuple[str, ...]] = ("hidden", "attention_mask", "position_ids", "prompts")
+    ALLOWED: ClassVar[tuple[str, ...]] = ("hidden", "attention_mask", "position_ids", "prompts", "lora")
 
     kind: Literal["forward"] = "forward"
     start_block: int = Field(ge=0)
     end_block: int = Field(ge=1)
     adapter: str | None = Field(default=None, pattern=ADAPTER_NAME_PATTERN)  # a LoRA adapter served here (None: none)
+    lora: LoraSpec | None = None  # describes the "lora" tensor: the sender's own LoRA weights
 
 
 class BackwardRequest(ForwardRequest):
     """Gradients of a span, recomputed from its inputs (the server keeps nothing between forward and backward).
 
     Tensors: as ForwardRequest, with grad_outputs (batch, seq, hidden). The reply carries the gradient wrt
-    hidden_states and, if prompts were sent, the gradient wrt the prompts.
+    hidden_states, if prompts were sent, the gradient wrt the prompts, and if LoRA weights were sent, the gradient
+    wrt them (flat, laid out like them).
     """
 
-    ALLOWED: ClassVar[tuple[str, ...]] = ("hidden", "grad_outputs", "attention_mask", "position_ids", "prompts")
+    ALLOWED: ClassVar[tuple[str, ...]] = (
+        "hidden", "grad_outputs", "attention_mask", "position_ids", "prompts", "lora"
+    )  # fmt: skip
 
     kind: Literal["backward"] = "backward"  # type: ignore[assignment]
 
@@ -114,11 +120,15 @@ class InferenceStep(_TensorsHeader):
 
     With next_hops, the server also pushes its output to the session of next_hops[0] (rpc_push, a PushStep with the
     rest of the hops), so the step travels server to server; the reply says whether that push was accepted.
+
+    With `lora` (and the "lora" tensor: LoRA weights of the session's blocks), the session keeps those weights and
+    runs this step and every later one with them, until a step brings others.
     """
 
-    ALLOWED: ClassVar[tuple[str, ...]] = ("hidden", "attention_mask", "position_ids", "hypo_ids", "prompts")
+    ALLOWED: ClassVar[tuple[str, ...]] = ("hidden", "attention_mask", "position_ids", "hypo_ids", "prompts", "lora")
 
     kind: Literal["step"] = "step"
+    lora: LoraSpec | None = None  # describes the "lora" tensor
     start_from_position: int | None = Field(default=None, ge=0)
     next_hops: list[PushHop] = Field(default_factory=list, max_length=MAX_HOPS, strict=False)
 

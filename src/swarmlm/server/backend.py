@@ -13,8 +13,10 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from swarmlm.models.batched import decode_batched
+from swarmlm.models.lora import linear_shapes
 from swarmlm.models.span import SpanModel
 from swarmlm.protocol.bundle import SpanTensors
+from swarmlm.protocol.lora import LoraWeights
 from swarmlm.server.joining import JoinableRequest, join, split
 from swarmlm.server.scheduler import BatchLimits, DecodeStep, Kind, Scheduler
 from swarmlm.server.validation import SpanLimits
@@ -39,6 +41,7 @@ class SpanBackend:
             max_tokens=max_tokens,
             max_position=config.max_position_embeddings,
             adapters=span.adapters,
+            linear_shapes=tuple(linear_shapes(layer) for layer in span.layers),
         )
         # a single worker thread is the queue: weights are never used by two computations at once
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="span-compute")
@@ -47,18 +50,21 @@ class SpanBackend:
         )
 
     async def run(
-        self, start: int, end: int, inputs: SpanTensors, peer: str = "", adapter: str | None = None
-    ) -> tuple[list[torch.Tensor], float]:
+        self, start: int, end: int, inputs: SpanTensors, peer: str = "", adapter: str | None = None,
+        lora: LoraWeights | None = None,
+    ) -> tuple[list[torch.Tensor], float]:  # fmt: skip
         """Forward: [hidden states after blocks [start, end)]; backward (inputs.grad_outputs given): [grad wrt
-        hidden states, (grad wrt prompts)]. Tensors come back in the sender's dtypes, with the compute time in ms.
-        adapter: the LoRA adapter to apply (None: the base model)."""
+        hidden states, (grad wrt prompts), (grad wrt lora)]. Tensors come back in the sender's dtypes, with the
+        compute time in ms. adapter: the LoRA adapter to apply (None: the base model); lora: the request's own LoRA
+        weights (validated: server.validation.check_lora)."""
         kind = Kind.FORWARD if inputs.grad_outputs is None else Kind.BACKWARD
         # a block at a time: the scheduler runs waiting inference steps between blocks of a long request
         # requests of other peers over the same blocks and of the same shape may run joined with this one
-        # (only without an adapter: requests of different adapters never share a computation)
-        joinable = JoinableRequest(start, end, inputs, peer) if inputs.hypo_ids is None and adapter is None else None
+        # (only without an adapter or own LoRA weights: those never share a computation)
+        alone = inputs.hypo_ids is not None or adapter is not None or lora is not None
+        joinable = None if alone else JoinableRequest(start, end, inputs, peer)
         result: tuple[list[torch.Tensor], float] = await self.scheduler.submit(
-            kind, peer, functools.partial(self._run_by_block, start, end, inputs, adapter), join=joinable
+            kind, peer, functools.partial(self._run_by_block, start, end, inputs, adapter, lora), join=joinable
         )
         return result
 
@@ -86,19 +92,21 @@ class SpanBackend:
                 return result
 
     def _run_by_block(
-        self, start: int, end: int, inputs: SpanTensors, adapter: str | None
+        self, start: int, end: int, inputs: SpanTensors, adapter: str | None, lora: LoraWeights | None = None
     ) -> Generator[None, None, tuple[list[torch.Tensor], float]]:
         """The one computation of a span, yielding after each block: its forward, then, when grad_outputs are
         given, the backward block by block in reverse (each block's graph is cut from the next one's, so a block's
         input gradient is exactly what autograd through the whole span gives). Returns the results in the sender's
-        dtypes and the compute time in ms. No grad mode is held across a yield: other work runs in between."""
+        dtypes and the compute time in ms. No grad mode is held across a yield: other work runs in between, and the
+        request's own LoRA weights are hooked into a block only while it runs (models/lora.py)."""
         backward = inputs.grad_outputs is not None
         spent = 0.0
         mask = None if inputs.attention_mask is None else inputs.attention_mask.to(self.device)
         positions = None if inputs.position_ids is None else inputs.position_ids.to(self.device)
         hidden = inputs.hidden.to(self.device, self.dtype)
         prompts = None if inputs.prompts is None else inputs.prompts.to(self.device, self.dtype)
-        saved: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []  # (input, prompt, output) per block
+        lora = None if lora is None else lora.with_flat(lora.flat.to(self.device))
+        saved: list[tuple[torch.Tensor, torch.Tensor | None, LoraWeights | None, torch.Tensor]] = []  # per block
         for block in range(start, end):
             began = time.perf_counter()
             with _grad_mode(backward):
@@ -106,43 +114,55 @@ class SpanBackend:
                 prompt = None if prompts is None else prompts[block - start : block - start + 1]
                 if prompt is not None and backward:
                     prompt = prompt.detach().requires_grad_()
+                block_lora = None if lora is None else lora.blocks(block, block + 1)
+                if block_lora is not None and backward:
+                    block_lora = block_lora.with_flat(block_lora.flat.detach().requires_grad_())
                 # the adapter is chosen again at every block: other work, maybe with another one, runs in between
                 hidden = self.span(
                     block_input, start=block, end=block + 1, attention_mask=mask, position_ids=positions,
-                    prompts=prompt, adapter=adapter,
+                    prompts=prompt, adapter=adapter, lora=block_lora,
                 )  # fmt: skip
                 if backward:
-                    saved.append((block_input, prompt, hidden))
+                    saved.append((block_input, prompt, block_lora, hidden))
             spent += time.perf_counter() - began
             yield
         if inputs.grad_outputs is None:
             return [hidden.to("cpu", inputs.hidden.dtype)], spent * 1000
         grad = inputs.grad_outputs.to(self.device, self.dtype)
         prompt_grads: list[torch.Tensor] = []
-        for block_input, prompt, output in reversed(saved):
+        lora_grads: list[torch.Tensor] = []
+        for block_input, prompt, block_lora, output in reversed(saved):
             began = time.perf_counter()
             with torch.enable_grad():
-                wrt = [block_input] if prompt is None else [block_input, prompt]
-                grads = torch.autograd.grad(output, wrt, grad_outputs=grad)
+                wrt = [block_input] + ([] if prompt is None else [prompt])
+                wrt += [] if block_lora is None else [block_lora.flat]
+                # allow_unused: LoRA weights of modules the output does not depend on get a zero gradient
+                grads = torch.autograd.grad(output, wrt, grad_outputs=grad, allow_unused=True)
             grad = grads[0]
             if prompt is not None:
                 prompt_grads.insert(0, grads[1])
+            if block_lora is not None:
+                lora_grad = grads[-1]
+                lora_grads.insert(0, torch.zeros_like(block_lora.flat) if lora_grad is None else lora_grad)
             spent += time.perf_counter() - began
             yield
         results = [grad.to("cpu", inputs.hidden.dtype)]
         if inputs.prompts is not None:
             results.append(torch.cat(prompt_grads, dim=0).to("cpu", inputs.prompts.dtype))
+        if lora is not None:
+            results.append(torch.cat(lora_grads).to("cpu", lora.flat.dtype))
         return results, spent * 1000
 
     async def step(
         self, cache: DynamicCache, start: int, end: int, inputs: SpanTensors, chunk_tokens: int,
-        start_from: int | None = None, peer: str = "", adapter: str | None = None,
+        start_from: int | None = None, peer: str = "", adapter: str | None = None, lora: LoraWeights | None = None,
     ) -> tuple[list[torch.Tensor], float]:
         """One inference step of a session owning `cache`: [hidden states of the new tokens], compute time in ms.
 
-        With start_from, the cache is first cut back to that many tokens (validated: not more than it holds)."""
-        run = functools.partial(self._step, cache, start, end, inputs, chunk_tokens, start_from, adapter)
-        plain = _plain_decode(cache, start, inputs, start_from)
+        With start_from, the cache is first cut back to that many tokens (validated: not more than it holds). A step
+        with the session's own LoRA weights runs alone (never batched with other sessions' steps)."""
+        run = functools.partial(self._step, cache, start, end, inputs, chunk_tokens, start_from, adapter, lora)
+        plain = lora is None and _plain_decode(cache, start, inputs, start_from)
         decode = DecodeStep(start, end, inputs.hidden, cache, adapter) if plain else None
         result: tuple[list[torch.Tensor], float] = await self.scheduler.submit(Kind.INFERENCE, peer, run, decode)
         return result
@@ -164,7 +184,7 @@ class SpanBackend:
 
     def _step(
         self, cache: DynamicCache, start: int, end: int, inputs: SpanTensors, chunk_tokens: int,
-        start_from: int | None, adapter: str | None = None,
+        start_from: int | None, adapter: str | None = None, lora: LoraWeights | None = None,
     ) -> tuple[list[torch.Tensor], float]:
         began = time.perf_counter()
         with torch.inference_mode():
@@ -175,6 +195,7 @@ class SpanBackend:
                 cache.reorder_cache(inputs.hypo_ids.to(self.device))  # type: ignore[arg-type]
             hidden = inputs.hidden.to(self.device, self.dtype)
             prompts = None if inputs.prompts is None else inputs.prompts.to(self.device, self.dtype)
+            lora = None if lora is None else lora.with_flat(lora.flat.to(self.device))
             batch, seq = hidden.shape[:2]
             past = cache.get_seq_length(start)
             # long prompts run in chunks, so a step's activations stay bounded whatever its length
@@ -186,6 +207,7 @@ class SpanBackend:
                 positions = None if inputs.position_ids is None else inputs.position_ids[:, begin:stop]
                 out = self.span(
                     hidden[:, begin:stop], start=start, end=end, cache=cache, prompts=prompts, adapter=adapter,
+                    lora=lora,
                     attention_mask=None if mask is None else mask.to(self.device),
                     position_ids=None if positions is None else positions.to(self.device),
                 )  # fmt: skip

@@ -24,7 +24,7 @@ from swarmlm.protocol.messages import (
 from swarmlm.server.backend import SpanBackend
 from swarmlm.server.inference import InferenceSessions
 from swarmlm.server.peers import refusal, short, where
-from swarmlm.server.validation import check_span_request, max_message_bytes
+from swarmlm.server.validation import check_lora, check_span_request, max_message_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -103,10 +103,13 @@ class SpanHandler:
                 raise ProtocolError("empty request stream")
             header, tensors = message
             inputs = check_span_request(header, tensors, self.backend.limits)
+            lora = check_lora(
+                header.lora, inputs.lora, header.start_block, header.end_block, self.backend.limits, header.adapter
+            )
             self.in_flight += 1
             try:
                 outputs, compute_ms = await self.backend.run(
-                    header.start_block, header.end_block, inputs, peer, header.adapter
+                    header.start_block, header.end_block, inputs, peer, header.adapter, lora
                 )
             finally:
                 self.in_flight -= 1

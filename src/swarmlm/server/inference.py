@@ -15,11 +15,12 @@ from transformers.cache_utils import DynamicCache
 from swarmlm.errors import ProtocolError
 from swarmlm.protocol.bundle import SpanTensors
 from swarmlm.protocol.codec import drain, encode, read_message
+from swarmlm.protocol.lora import LoraWeights
 from swarmlm.protocol.messages import InferenceOpen, InferenceStep, PushHop, PushStep, ReplyHeader
 from swarmlm.server.backend import SpanBackend
 from swarmlm.server.cache import CacheBudget, ServerBusyError
 from swarmlm.server.peers import LimitError, PeerLedger, refusal, short, where
-from swarmlm.server.validation import check_open, check_step, max_message_bytes
+from swarmlm.server.validation import check_lora, check_open, check_step, max_message_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -151,8 +152,8 @@ class InferenceSessions:
         """Send a step's output to the next server of its route; None when it took it, else why not."""
         if self.pusher is None:
             return "this server does not push"
-        if inputs.hypo_ids is not None or inputs.prompts is not None:
-            return "steps that reorder caches or carry prompts are not pushed"
+        if inputs.hypo_ids is not None or inputs.prompts is not None or inputs.lora is not None:
+            return "steps that reorder caches or carry prompts or LoRA weights are not pushed"
         hop, rest = header.next_hops[0], header.next_hops[1:]
         pushed_to.add(hop.session_id)
         pushed = SpanTensors(outputs[0], attention_mask=inputs.attention_mask, position_ids=inputs.position_ids)
@@ -180,6 +181,9 @@ class InferenceSessions:
         cache: DynamicCache, pushed_to: set[str],
     ) -> Replies:  # fmt: skip
         requests = reader.requests
+        # the session's own LoRA weights (from the last step that brought some): at most one message's worth, held
+        # as long as the session and counted like its other per-peer state by the message size limit
+        lora: LoraWeights | None = None
         while True:
             try:
                 message = await self._next_step(reader, inbox)
@@ -201,6 +205,9 @@ class InferenceSessions:
             past = cache.get_seq_length(session.start_block)
             try:
                 inputs = check_step(header, tensors, self.backend.limits, session, past)
+                start, end, limits = session.start_block, session.end_block, self.backend.limits
+                # a step bringing LoRA weights replaces the session's: they apply to it and to every later step
+                lora = check_lora(header.lora, inputs.lora, start, end, limits, session.adapter) or lora
             except ProtocolError as e:
                 logger.warning("inference step rejected peer=...%s: %s", peer, short(str(e)))
                 # too_large: over this server's own limits (another server may take it)
@@ -210,7 +217,7 @@ class InferenceSessions:
             try:
                 outputs, compute_ms = await self.backend.step(
                     cache, session.start_block, session.end_block, inputs, self.chunk_tokens,
-                    header.start_from_position, peer=peer, adapter=session.adapter,
+                    header.start_from_position, peer=peer, adapter=session.adapter, lora=lora,
                 )
             except Exception as e:  # noqa: BLE001 - a failed step is answered; it never kills the stream raw
                 intact = inputs.hypo_ids is None and _lengths(cache, session) == before

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 import torch
 
 from swarmlm.errors import ProtocolError
 from swarmlm.protocol.bundle import SpanTensors
+from swarmlm.protocol.lora import LoraSpec, LoraWeights, lora_layout
 from swarmlm.protocol.messages import BackwardRequest, ForwardRequest, InferenceOpen, InferenceStep
 from swarmlm.server.peers import LimitError
 
@@ -24,7 +26,8 @@ _EXTRA_MESSAGE_BYTES = 8 << 20
 
 
 def max_message_bytes(max_tokens: int, hidden_size: int) -> int:
-    """The most tensor bytes a server reads of one request or inference step before refusing it."""
+    """The most tensor bytes a server reads of one request or inference step before refusing it (a request's own
+    LoRA weights count against it too)."""
     token_bytes = hidden_size * _BYTES_PER_HIDDEN_VALUE + 16  # hidden states (or gradients), mask and position
     return _READ_SLACK * max_tokens * token_bytes + _EXTRA_MESSAGE_BYTES
 
@@ -37,6 +40,8 @@ class SpanLimits:
     max_tokens: int  # batch * sequence tokens one request may carry
     max_position: int  # positions must be below this (the model's context)
     adapters: tuple[str, ...] = ()  # LoRA adapters a request may name
+    # per block of the span: its Linear modules, name -> (in, out): what a request's own LoRA weights may adapt
+    linear_shapes: tuple[Mapping[str, tuple[int, int]], ...] = ()
 
 
 def check_adapter(adapter: str | None, limits: SpanLimits) -> None:
@@ -117,6 +122,34 @@ def check_prompts(
         raise ProtocolError(f"prompts cover {prompts.shape[-2]} positions; the sequence has {seq}")
     if not torch.isfinite(prompts).all():
         raise ProtocolError("prompts contain NaN or infinite values")
+
+
+def check_lora(
+    spec: LoraSpec | None, flat: torch.Tensor | None, start: int, end: int, limits: SpanLimits,
+    adapter: str | None = None,
+) -> LoraWeights | None:  # fmt: skip
+    """A request's own LoRA weights of blocks [start, end): the header describes them, this server derives every
+    matrix's shape from its own modules, and the tensor must hold exactly that many finite values."""
+    if spec is None and flat is None:
+        return None
+    if spec is None or flat is None:
+        raise ProtocolError("LoRA weights travel as a 'lora' tensor together with the header's 'lora' field")
+    if adapter is not None:
+        raise ProtocolError("a request carries either its own LoRA weights or names a served adapter, not both")
+    try:
+        layout = lora_layout(limits.linear_shapes[start - limits.start : end - limits.start], spec.rank, spec.targets)
+    except ValueError as e:
+        raise ProtocolError(f"LoRA targets do not fit this model: {e}") from e
+    if flat.ndim != 1 or flat.numel() != layout.size:
+        raise ProtocolError(
+            f"lora must be a flat tensor of {layout.size} values (rank {spec.rank} on {list(spec.targets)} of "
+            f"blocks {start}:{end}), got shape {tuple(flat.shape)}"
+        )
+    if flat.dtype not in HIDDEN_DTYPES:
+        raise ProtocolError(f"lora must be float32, bfloat16 or float16, not {flat.dtype}")
+    if not torch.isfinite(flat).all():
+        raise ProtocolError("lora contains NaN or infinite values")
+    return LoraWeights(spec, layout, flat, start)
 
 
 def check_span_request(header: ForwardRequest, tensors: list[torch.Tensor], limits: SpanLimits) -> SpanTensors:

@@ -1,0 +1,131 @@
+"""A request's own LoRA weights: one layout on both sides, hooks that live exactly as long as a block's call, and
+requests carrying them never joined with others' nor batched in decode."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812 - the usual name
+from pydantic import ValidationError
+from transformers.cache_utils import DynamicCache
+
+from swarmlm.client.lora import LoraTuning, block_shapes
+from swarmlm.models.loading import load_config
+from swarmlm.models.lora import linear_shapes, lora_applied
+from swarmlm.models.registry import get_family
+from swarmlm.models.span import SpanModel
+from swarmlm.protocol.bundle import SpanTensors
+from swarmlm.protocol.lora import LoraSpec, LoraWeights, lora_layout
+from swarmlm.server.backend import SpanBackend
+from swarmlm.server.scheduler import Kind
+
+SPEC = LoraSpec(rank=2, scaling=2.0, targets=("q_proj", "v_proj"))
+
+
+@pytest.fixture(scope="module")
+def span(tiny_model_dir: Path) -> SpanModel:
+    return SpanModel.from_dir(tiny_model_dir, 0, 5)
+
+
+def random_lora(span: SpanModel, start: int, end: int, seed: int = 0) -> LoraWeights:
+    shapes = [linear_shapes(layer) for layer in span.layers[start:end]]
+    layout = lora_layout(shapes, SPEC.rank, SPEC.targets)
+    flat = torch.randn(layout.size, generator=torch.Generator().manual_seed(seed)) * 0.3
+    return LoraWeights(SPEC, layout, flat, start)
+
+
+def test_the_layout_follows_the_blocks_modules(span: SpanModel) -> None:
+    shapes = [linear_shapes(layer) for layer in span.layers]
+    assert shapes[0]["self_attn.q_proj"] == (64, 64) and shapes[0]["self_attn.v_proj"] == (64, 32)
+    layout = lora_layout(shapes[:2], 2, ("q_proj", "v_proj"))
+    assert layout.modules[0] == (("self_attn.q_proj", 64, 64), ("self_attn.v_proj", 64, 32))
+    assert layout.bounds == (0, 448, 896)  # rank 2 * ((64 + 64) + (64 + 32)) per block
+    assert lora_layout(shapes[:1], 2, ("self_attn.q_proj",)).size == 256  # a longer name of the same module
+    with pytest.raises(ValueError, match="not Linear modules"):
+        lora_layout(shapes, 2, ("proj",))  # a target names whole components, as in PEFT
+    # the client derives the same layout from blocks on the meta device
+    assert block_shapes(span.config, span.family) == shapes
+
+
+def test_specs_are_bounded() -> None:
+    for bad in (dict(rank=0), dict(rank=65), dict(scaling=float("nan")), dict(targets=()),
+                dict(targets=("q_proj", "q_proj")), dict(targets=("x; rm",))):  # fmt: skip
+        with pytest.raises(ValidationError):
+            LoraSpec(**{**SPEC.model_dump(), **bad})
+
+
+def test_weights_of_some_blocks_are_views_of_the_whole(span: SpanModel) -> None:
+    lora = random_lora(span, 0, 5)
+    part = lora.blocks(2, 4)
+    assert part.first == 2 and part.layout.size == 896
+    assert torch.equal(part.flat, lora.flat[896:1792])
+    (name, a, b), _ = part.layout.matrices(part.flat, 1)
+    assert name == "self_attn.q_proj" and a.shape == (2, 64) and b.shape == (64, 2)
+    assert torch.equal(a.reshape(-1), lora.flat[3 * 448 : 3 * 448 + 128])
+    with pytest.raises(ValueError, match="outside"):
+        part.blocks(1, 3)
+
+
+def test_hooks_add_the_lora_only_during_the_call_and_go_away_on_error(span: SpanModel) -> None:
+    lora = random_lora(span, 0, 5)
+    q_proj = span.layers[3].self_attn.q_proj
+    x = torch.randn(2, 3, 64)
+    with torch.no_grad():
+        base = q_proj(x)
+        with lora_applied(span.layers[3], lora, 3):
+            adapted = q_proj(x)
+        (_, a, b), _ = lora.layout.matrices(lora.flat, 3)
+        assert torch.allclose(adapted, base + F.linear(F.linear(x, a), b) * 2.0, atol=1e-6)
+        with pytest.raises(RuntimeError, match="boom"), lora_applied(span.layers[3], lora, 3):
+            raise RuntimeError("boom")
+        assert not q_proj._forward_hooks and torch.equal(q_proj(x), base)
+
+
+def test_the_client_starts_like_peft(tiny_model_dir: Path) -> None:
+    config = load_config(tiny_model_dir)
+    torch.manual_seed(0)
+    tuning = LoraTuning(config, get_family(config), "tiny", rank=4, alpha=8, targets=("q_proj",))
+    assert len(tuning.lora_A) == 5 and tuning.lora_A[0].shape == (4, 64) and tuning.lora_B[0].shape == (64, 4)
+    assert all(not b.any() for b in tuning.lora_B) and all(a.abs().max() <= 0.5 for a in tuning.lora_A)
+    assert tuning.spec.scaling == 2.0 and tuning.weights().flat.shape == (5 * 4 * 128,)
+    with pytest.raises(ValueError, match="do not fit"):
+        LoraTuning(config, get_family(config), "tiny", targets=("nowhere",))
+
+
+def test_requests_with_lora_run_alone_and_get_their_own_results(span: SpanModel) -> None:
+    backend = SpanBackend(span, torch.float32, "cpu", 8192)
+    generator = torch.Generator().manual_seed(1)
+    inputs = [SpanTensors(torch.randn(1, 4, 64, generator=generator)) for _ in range(3)]
+    loras = [random_lora(span, 0, 5, seed) for seed in range(3)]
+    release = threading.Event()
+
+    async def main() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        scheduler = backend.scheduler
+        blocker = asyncio.ensure_future(scheduler.submit(Kind.FORWARD, "busy", release.wait))
+        await asyncio.sleep(0.05)  # the compute thread is busy: the requests below wait together
+        runs = [asyncio.ensure_future(backend.run(0, 5, x, f"p{i}", lora=lora))
+                for i, (x, lora) in enumerate(zip(inputs, loras, strict=True))]  # fmt: skip
+        caches = [DynamicCache() for _ in range(3)]
+        steps = [asyncio.ensure_future(backend.step(cache, 0, 5, SpanTensors(x.hidden[:, :1]), 64, peer=f"s{i}",
+                                                    lora=lora))
+                 for i, (cache, x, lora) in enumerate(zip(caches, inputs, loras, strict=True))]  # fmt: skip
+        await asyncio.sleep(0.05)
+        release.set()
+        await blocker
+        forwards = [outputs[0] for outputs, _ in await asyncio.gather(*runs)]
+        decoded = [outputs[0] for outputs, _ in await asyncio.gather(*steps)]
+        return forwards, decoded
+
+    forwards, decoded = asyncio.run(main())
+    assert backend.scheduler.joined_runs == 0 and backend.scheduler.batched_steps == 0
+    with torch.inference_mode():
+        for x, lora, forward, step in zip(inputs, loras, forwards, decoded, strict=True):
+            alone = span(x.hidden, lora=lora)
+            assert torch.allclose(forward, alone, atol=1e-5)
+            assert torch.allclose(step, alone[:, :1], atol=1e-5)  # a first token sees only itself either way
+            assert not torch.allclose(alone, span(x.hidden), atol=1e-3)  # the LoRA weights matter
+    backend.shutdown()
