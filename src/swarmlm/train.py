@@ -1,4 +1,4 @@
-"""`swarmlm train`: deep prompt tuning of the bundled model on the shipped sentiment task, through a swarm."""
+"""`swarmlm train`: prompt tuning or LoRA of the bundled model on the shipped sentiment task, through a swarm."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from swarmlm.client.prompts import IGNORE_INDEX
 
 DATASET = Path(__file__).parent / "examples" / "sentiment.jsonl"
 LABELS = ("positive", "negative")
+# Adam learning rates that train well on this task (prompts: 1e-2 and above diverge)
+DEFAULT_LR = {"ptune": 3e-3, "deep_ptune": 3e-3, "lora": 1e-3}
 QUESTION = "Is the sentiment of this review positive or negative? Answer with one word.\nReview: {text}"
 
 
@@ -98,10 +100,12 @@ def train_prompts(
     model: torch.nn.Module, task: SentimentTask, examples: Sequence[Example], *, steps: int, batch_size: int,
     lr: float, seed: int = 0,
 ) -> list[float]:  # fmt: skip
-    """Adam over the model's trainable parameters (its prompts); a progress bar shows the running loss."""
+    """Adam over the model's trainable parameters (its prompts or LoRA weights); a progress bar shows the running
+    loss."""
     optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=lr)
     rng, losses = random.Random(seed), []
-    with tqdm(range(steps), desc="training prompts", unit="step") as progress:
+    what = "LoRA" if getattr(model, "lora_tuning", None) is not None else "prompts"
+    with tqdm(range(steps), desc=f"training {what}", unit="step") as progress:
         for _ in progress:
             loss = task.loss(model, rng.sample(list(examples), batch_size))
             optimizer.zero_grad()
@@ -117,17 +121,20 @@ class TrainOptions:
     model: str = "smollm2-135m-instruct"  # model to tune
     initial_peers: tuple[str, ...] = ()  # an existing swarm to use; empty: start a local one
     servers: int = 2  # servers of the local swarm
-    tuning_mode: str = "deep_ptune"  # ptune | deep_ptune
-    pre_seq_len: int = 8  # prompt length
+    tuning_mode: str = "deep_ptune"  # ptune | deep_ptune | lora
+    pre_seq_len: int = 8  # prompt length (ptune, deep_ptune)
+    lora_rank: int = 8  # LoRA rank (lora)
+    lora_alpha: int = 16  # LoRA scaling is lora_alpha / lora_rank (lora)
+    lora_target_modules: tuple[str, ...] = ("q_proj", "v_proj")  # modules of every block LoRA adapts (lora)
     steps: int = 30  # optimizer steps
     batch_size: int = 8  # examples per step
-    lr: float = 3e-3  # Adam learning rate (1e-2 and above diverge on this task)
+    lr: float | None = None  # Adam learning rate (None: DEFAULT_LR of the tuning mode)
     held_out: int = 80  # examples kept for the accuracy check
-    save_dir: str | None = None  # where to save the trained prompts
+    save_dir: str | None = None  # where to save the trained prompts, or the LoRA adapter (a PEFT folder)
 
 
 def run_training(options: TrainOptions) -> tuple[float, float]:
-    """Accuracy on held-out examples before and after training prompts through a swarm."""
+    """Accuracy on held-out examples before and after training prompts or LoRA weights through a swarm."""
     from swarmlm.client.model import AutoDistributedModelForCausalLM
     from swarmlm.local_swarm import start_even_swarm
     from swarmlm.models.loading import load_config, load_tokenizer, resolve_model
@@ -142,17 +149,31 @@ def run_training(options: TrainOptions) -> tuple[float, float]:
         peers = tuple(swarm.initial_peers)
     try:
         with AutoDistributedModelForCausalLM.from_pretrained(
-            str(model_dir), initial_peers=peers, tuning_mode=options.tuning_mode, pre_seq_len=options.pre_seq_len
+            str(model_dir), initial_peers=peers, **tuning_options(options)
         ) as model:
             before = task.accuracy(model, held_out)
             print(f"Held-out accuracy before training: {before:.1%} ({len(held_out)} examples)", flush=True)
-            train_prompts(model, task, train_set, steps=options.steps, batch_size=options.batch_size, lr=options.lr)
+            lr = options.lr if options.lr is not None else DEFAULT_LR[options.tuning_mode]
+            train_prompts(model, task, train_set, steps=options.steps, batch_size=options.batch_size, lr=lr)
             after = task.accuracy(model, held_out)
             print(f"Held-out accuracy after training:  {after:.1%}", flush=True)
-            if options.save_dir:
+            if options.save_dir and options.tuning_mode == "lora":
+                model.save_adapter(options.save_dir)
+                print(f"LoRA adapter saved to {options.save_dir} (serve it with swarmlm serve --adapters)")
+            elif options.save_dir:
                 model.save_prompts(options.save_dir)
                 print(f"Prompts saved to {options.save_dir}")
     finally:
         if swarm is not None:
             swarm.close()
     return before, after
+
+
+def tuning_options(options: TrainOptions) -> dict[str, Any]:
+    """from_pretrained's keywords for the options' tuning mode."""
+    if options.tuning_mode not in DEFAULT_LR:
+        raise ValueError(f"tuning_mode must be one of {sorted(DEFAULT_LR)}, not {options.tuning_mode!r}")
+    if options.tuning_mode == "lora":
+        return dict(tuning_mode="lora", lora_rank=options.lora_rank, lora_alpha=options.lora_alpha,
+                    lora_target_modules=options.lora_target_modules)  # fmt: skip
+    return dict(tuning_mode=options.tuning_mode, pre_seq_len=options.pre_seq_len)

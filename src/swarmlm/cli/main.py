@@ -133,18 +133,23 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--api", action="store_true", help="serve the OpenAI-compatible API (and monitor) on the swarm")
     demo.add_argument("--api-port", type=int, default=8000, help="HTTP port of --api")
     _add_api_parsers(sub)
-    train = sub.add_parser("train", help="tune deep prompts on the shipped sentiment task through a swarm")
+    train = sub.add_parser("train", help="tune prompts or LoRA on the shipped sentiment task through a swarm")
     train.add_argument("--model", default=DEFAULT_MODEL, help="model to tune")
     train.add_argument(
         "--initial-peers", nargs="*", default=[], metavar="MADDR", help="use this swarm (default: start one)"
     )
     train.add_argument("--servers", type=int, default=2, help="servers of the local swarm")
-    train.add_argument("--tuning-mode", default="deep_ptune", choices=["ptune", "deep_ptune"])
-    train.add_argument("--pre-seq-len", type=int, default=8, help="prompt length")
+    train.add_argument("--tuning-mode", default="deep_ptune", choices=["ptune", "deep_ptune", "lora"])
+    train.add_argument("--pre-seq-len", type=int, default=8, help="prompt length (ptune, deep_ptune)")
+    train.add_argument("--lora-rank", type=int, default=8, help="LoRA rank (lora)")
+    train.add_argument("--lora-alpha", type=int, default=16, help="LoRA scaling is alpha / rank (lora)")
+    train.add_argument("--lora-target-modules", nargs="+", default=["q_proj", "v_proj"], metavar="NAME",
+                       help="modules of every block LoRA adapts (lora)")  # fmt: skip
     train.add_argument("--steps", type=int, default=30)
     train.add_argument("--batch-size", type=int, default=8)
-    train.add_argument("--lr", type=float, default=3e-3)
-    train.add_argument("--save", default=None, metavar="DIR", help="save the trained prompts here")
+    train.add_argument("--lr", type=float, default=None, help="Adam learning rate (default: 3e-3 prompts, 1e-3 lora)")
+    train.add_argument("--save", default=None, metavar="DIR",
+                       help="save the trained prompts, or the LoRA adapter (a PEFT folder), here")  # fmt: skip
     return parser
 
 
@@ -200,6 +205,9 @@ def _train(args: argparse.Namespace) -> None:
             servers=args.servers,
             tuning_mode=args.tuning_mode,
             pre_seq_len=args.pre_seq_len,
+            lora_rank=args.lora_rank,
+            lora_alpha=args.lora_alpha,
+            lora_target_modules=tuple(args.lora_target_modules),
             steps=args.steps,
             batch_size=args.batch_size,
             lr=args.lr,
