@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,7 +14,9 @@ import torch.nn.functional as F  # noqa: N812 - the usual name
 from pydantic import ValidationError
 from transformers.cache_utils import DynamicCache
 
+from swarmlm.client.inference import _SpanSession
 from swarmlm.client.lora import LoraTuning, block_shapes
+from swarmlm.errors import ProtocolError
 from swarmlm.models.loading import load_config
 from swarmlm.models.lora import linear_shapes, lora_applied
 from swarmlm.models.registry import get_family
@@ -21,7 +24,10 @@ from swarmlm.models.span import SpanModel
 from swarmlm.protocol.bundle import SpanTensors
 from swarmlm.protocol.lora import LoraSpec, LoraWeights, lora_layout
 from swarmlm.server.backend import SpanBackend
+from swarmlm.server.joining import JoinableRequest, can_join
 from swarmlm.server.scheduler import Kind
+from swarmlm.server.validation import SpanLimits, check_lora
+from swarmlm.swarm.routing import RouteSpan
 
 SPEC = LoraSpec(rank=2, scaling=2.0, targets=("q_proj", "v_proj"))
 
@@ -129,3 +135,50 @@ def test_requests_with_lora_run_alone_and_get_their_own_results(span: SpanModel)
             assert torch.allclose(step, alone[:, :1], atol=1e-5)  # a first token sees only itself either way
             assert not torch.allclose(alone, span(x.hidden), atol=1e-3)  # the LoRA weights matter
     backend.shutdown()
+
+
+def test_the_server_checks_lora_weights_against_its_own_modules(span: SpanModel) -> None:
+    limits = SpanLimits(start=0, end=5, hidden_size=64, max_tokens=64, max_position=256, adapters=("a",),
+                        linear_shapes=tuple(linear_shapes(layer) for layer in span.layers))  # fmt: skip
+    lora = check_lora(SPEC, torch.zeros(2 * 448), 1, 3, limits)
+    assert lora is not None and lora.first == 1 and lora.layout.bounds == (0, 448, 896)
+    assert check_lora(None, None, 1, 3, limits) is None
+    for spec, flat, adapter, message in (
+        (SPEC, torch.zeros(448), None, "flat tensor of 896 values"),
+        (SPEC, torch.zeros(2 * 448, dtype=torch.int64), None, "float32"),
+        (SPEC, None, None, "together with"),
+        (None, torch.zeros(896), None, "together with"),
+        (SPEC, torch.zeros(896), "a", "not both"),
+        (LoraSpec(rank=2, scaling=1.0, targets=("gate",)), torch.zeros(896), None, "do not fit"),
+    ):
+        with pytest.raises(ProtocolError, match=message):
+            check_lora(spec, flat, 1, 3, limits, adapter)
+
+
+def test_a_session_sends_its_lora_weights_once_per_server(span: SpanModel) -> None:
+    session = _SpanSession(SimpleNamespace(), RouteSpan("peer", 2, 5), session_start=0)
+    sent: list[tuple] = []
+
+    async def exchange(header: object, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        sent.append((header, tensors))
+        return [tensors[0]]
+
+    session.stream.exchange = exchange  # type: ignore[method-assign]
+    lora, other = random_lora(span, 0, 5, seed=1), random_lora(span, 0, 5, seed=2)
+    step = SpanTensors(torch.zeros(1, 1, 64))
+
+    async def steps() -> None:
+        for weights in (lora, lora, None, other):
+            await session.send(step, lora=weights)
+
+    asyncio.run(steps())
+    assert [header.lora is not None for header, _ in sent] == [True, False, False, True]
+    assert torch.equal(sent[0][1][-1], lora.blocks(2, 5).flat) and torch.equal(sent[3][1][-1], other.blocks(2, 5).flat)
+    assert [len(tensors) for _, tensors in sent] == [2, 1, 1, 2]
+
+
+def test_bundles_with_lora_weights_never_join() -> None:
+    plain = JoinableRequest(0, 5, SpanTensors(torch.zeros(1, 4, 64)))
+    with_lora = JoinableRequest(0, 5, SpanTensors(torch.zeros(1, 4, 64), lora=torch.zeros(8)))
+    assert can_join(plain, plain)
+    assert not can_join(plain, with_lora) and not can_join(with_lora, plain) and not can_join(with_lora, with_lora)

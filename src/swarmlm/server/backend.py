@@ -238,8 +238,10 @@ class SpanBackend:
 
 def _plain_decode(cache: DynamicCache, start: int, inputs: SpanTensors, start_from: int | None) -> bool:
     """A step that may share a forward with other sessions': one new token per row at the session's own next
-    position, no mask, prompts, reordering or rollback (anything else runs alone)."""
+    position, no mask, prompts, LoRA weights, reordering or rollback (anything else runs alone)."""
     if inputs.hidden.shape[1] != 1 or inputs.hypo_ids is not None or inputs.prompts is not None:
+        return False
+    if inputs.lora is not None:
         return False
     if inputs.attention_mask is not None or inputs.grad_outputs is not None:
         return False
