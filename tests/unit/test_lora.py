@@ -200,3 +200,25 @@ def test_the_train_command_maps_lora_flags_to_from_pretrained_options(monkeypatc
     )
     assert main(["train"]) == 0
     assert swarmlm.train.tuning_options(seen[1]) == dict(tuning_mode="deep_ptune", pre_seq_len=8)
+
+
+def test_a_sessions_lora_weights_count_against_its_peers_memory_bound(span: SpanModel) -> None:
+    from swarmlm.server.inference import _HeldLora
+    from swarmlm.server.peers import LimitError, PeerLedger, PeerLimits
+
+    lora = random_lora(span, 0, 5)  # 5 blocks of 448 float32 values: 8960 bytes
+    ledger = PeerLedger(PeerLimits(memory_bytes=12_000, sessions_per_peer=1, sessions_total=1, cache_share=1.0))
+    held = _HeldLora(ledger, "peer")
+
+    async def scenario() -> None:
+        await held.replace(lora, timeout_s=0.1)
+        assert held.weights is lora and ledger.usage("peer").buffered_bytes == 8960
+        with pytest.raises(LimitError):  # the old and the new weights together do not fit: the old ones stay
+            await held.replace(random_lora(span, 0, 5, seed=1), timeout_s=0.1)
+        assert held.weights is lora and ledger.usage("peer").buffered_bytes == 8960
+        await held.replace(lora.blocks(0, 1), timeout_s=0.1)
+        assert ledger.usage("peer").buffered_bytes == 448 * 4
+        held.release()
+        assert held.weights is None and ledger.usage("peer").buffered_bytes == 0
+
+    asyncio.run(scenario())

@@ -91,14 +91,16 @@ class InferenceSessions:
         inbox: asyncio.Queue[Message] | None = None
         if session.session_id is not None:
             inbox = self._pushed[session.session_id] = asyncio.Queue(PUSH_QUEUE_STEPS)
+        held = _HeldLora(self.ledger, peer)
         self.open_sessions += 1
         logger.info("inference open blocks=%d:%d batch=%d max_length=%d peer=...%s", session.start_block,
                     session.end_block, session.batch_size, session.max_length, peer[-6:])  # fmt: skip
         try:
             yield _reply(ReplyHeader(ok=True))
-            async for part in self._steps(requests, session, peer[-6:], inbox):
+            async for part in self._steps(requests, session, peer[-6:], inbox, held):
                 yield part
         finally:
+            held.release()
             if session.session_id is not None:
                 self._pushed.pop(session.session_id, None)
             self.open_sessions -= 1
@@ -162,13 +164,14 @@ class InferenceSessions:
         return await self.pusher(hop, message, pushed.tensors())
 
     async def _steps(
-        self, requests: AsyncIterator, session: InferenceOpen, peer: str, inbox: asyncio.Queue[Message] | None
-    ) -> Replies:
+        self, requests: AsyncIterator, session: InferenceOpen, peer: str, inbox: asyncio.Queue[Message] | None,
+        held: _HeldLora,
+    ) -> Replies:  # fmt: skip
         cache = DynamicCache()
         reader = _Reader(requests, self.max_message_bytes)
         pushed_to: set[str] = set()  # sessions this one pushed steps to (their streams close with it)
         try:
-            async for part in self._run_steps(reader, session, peer, inbox, cache, pushed_to):
+            async for part in self._run_steps(reader, session, peer, inbox, cache, pushed_to, held):
                 yield part
         finally:
             await reader.cancel()
@@ -178,12 +181,9 @@ class InferenceSessions:
 
     async def _run_steps(
         self, reader: _Reader, session: InferenceOpen, peer: str, inbox: asyncio.Queue[Message] | None,
-        cache: DynamicCache, pushed_to: set[str],
+        cache: DynamicCache, pushed_to: set[str], held: _HeldLora,
     ) -> Replies:  # fmt: skip
         requests = reader.requests
-        # the session's own LoRA weights (from the last step that brought some): at most one message's worth, held
-        # as long as the session and counted like its other per-peer state by the message size limit
-        lora: LoraWeights | None = None
         while True:
             try:
                 message = await self._next_step(reader, inbox)
@@ -206,8 +206,9 @@ class InferenceSessions:
             try:
                 inputs = check_step(header, tensors, self.backend.limits, session, past)
                 start, end, limits = session.start_block, session.end_block, self.backend.limits
-                # a step bringing LoRA weights replaces the session's: they apply to it and to every later step
-                lora = check_lora(header.lora, inputs.lora, start, end, limits, session.adapter) or lora
+                brought = check_lora(header.lora, inputs.lora, start, end, limits, session.adapter)
+                if brought is not None:  # they replace the session's: for this step and every later one
+                    await held.replace(brought, self.alloc_timeout_s)
             except ProtocolError as e:
                 logger.warning("inference step rejected peer=...%s: %s", peer, short(str(e)))
                 # too_large: over this server's own limits (another server may take it)
@@ -217,7 +218,7 @@ class InferenceSessions:
             try:
                 outputs, compute_ms = await self.backend.step(
                     cache, session.start_block, session.end_block, inputs, self.chunk_tokens,
-                    header.start_from_position, peer=peer, adapter=session.adapter, lora=lora,
+                    header.start_from_position, peer=peer, adapter=session.adapter, lora=held.weights,
                 )
             except Exception as e:  # noqa: BLE001 - a failed step is answered; it never kills the stream raw
                 intact = inputs.hypo_ids is None and _lengths(cache, session) == before
@@ -265,6 +266,27 @@ class InferenceSessions:
         """Read what the client still sends after an error reply, so that its writes do not break the reply."""
         with contextlib.suppress(TimeoutError, ProtocolError):
             await asyncio.wait_for(drain(requests, self.max_message_bytes), min(self.idle_timeout_s, DRAIN_TIMEOUT_S))
+
+
+class _HeldLora:
+    """A session's own LoRA weights (from the last step that brought some), counted against its peer's memory bound
+    (--peer-memory-mb) for as long as the session holds them."""
+
+    def __init__(self, ledger: PeerLedger, peer: str):
+        self.ledger, self.peer = ledger, peer
+        self.weights: LoraWeights | None = None
+        self._bytes = 0
+
+    async def replace(self, weights: LoraWeights, timeout_s: float) -> None:
+        """Hold `weights` instead of the current ones; LimitError (the current ones stay) if the peer has no room."""
+        size = weights.flat.numel() * weights.flat.element_size()
+        await self.ledger.acquire_bytes(self.peer, size, timeout_s)
+        self.release()
+        self.weights, self._bytes = weights, size
+
+    def release(self) -> None:
+        self.ledger.release_bytes(self.peer, self._bytes)
+        self.weights, self._bytes = None, 0
 
 
 class _Reader:
