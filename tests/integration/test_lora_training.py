@@ -100,6 +100,19 @@ def test_loss_and_lora_gradients_equal_local_peft(tiny_model_dir: Path, lora_mod
     assert len(peers) == 2  # the backward went through two servers
 
 
+def test_sub_batches_sum_their_lora_gradients(tiny_model_dir: Path, swarm: LocalSwarm) -> None:
+    with connected_model(tiny_model_dir, swarm, **OPTIONS, **CHECKS_OFF, max_tokens_per_request=9) as model:
+        torch.manual_seed(1)
+        with torch.no_grad():
+            for b in model.lora_tuning.lora_B:
+                b.normal_(std=0.2)
+        remote, local = loss_and_grads(model, peft_reference(tiny_model_dir), *batch(8))  # 3 rows of 9: 3 pieces
+        assert len(model.last_trace.calls) == 3 * 2  # the backward: 3 sub-batches through 2 servers each
+    assert abs(remote[0].item() - local[0].item()) <= 1e-5 * abs(local[0].item())
+    for actual, expected in zip(remote[1:], local[1:], strict=True):
+        assert_close(actual, expected)
+
+
 def test_an_optimizer_step_moves_the_weights_like_peft(tiny_model_dir: Path, lora_model) -> None:
     reference = peft_reference(tiny_model_dir)
     copy_lora(lora_model, reference)
