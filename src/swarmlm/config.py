@@ -50,6 +50,7 @@ class ClientConfig:
     dht_prefix: str | None = None  # name the swarm's records live under (default: derived from the model)
     max_tokens_per_request: int = 1024  # bigger batches are split into concurrent sub-batches of this many tokens
     request_timeout_s: float = 60.0  # a span call taking longer counts as a server failure
+    liveness_check_s: float = 5.0  # a reply awaited this long: ping the server; silent as long again = failed (0: off)
     missing_blocks_timeout_s: float = 30.0  # how long to wait for a server to cover a block before giving up
     max_retries: int = 10  # failed span calls tolerated per request before the error is raised
     ban_base_s: float = 1.0  # first ban of a failed server; doubles on each further failure
