@@ -13,6 +13,7 @@ from transformers import PretrainedConfig
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from swarmlm.client.generation import RemoteGenerationMixin, SessionStacks
+from swarmlm.client.head_batching import HeadBatcher
 from swarmlm.client.inference import InferenceSession
 from swarmlm.client.prompts import PromptTuning
 from swarmlm.client.remote_sequential import RemoteSequential, SwarmClient
@@ -86,6 +87,8 @@ class DistributedCausalLMMixin(RemoteGenerationMixin):
         instance._load_local_parts(model_dir, dtype)
         instance.prompt_tuning = None
         instance._session_stacks = SessionStacks()
+        # the LM head of concurrent generations (threads sharing this model) runs as one product
+        instance._head_batcher = HeadBatcher()
         if tuning_mode is not None:
             instance.prompt_tuning = PromptTuning(
                 tuning_mode, pre_seq_len, config.hidden_size, config.num_hidden_layers, config.initializer_range
@@ -135,7 +138,7 @@ class DistributedCausalLMMixin(RemoteGenerationMixin):
         if session is not None:
             if input_ids is None or labels is not None:
                 raise ValueError("a forward through an inference session takes input_ids and no labels")
-            return self._session_forward(session, input_ids, attention_mask, position_ids)
+            return self._session_forward(session, input_ids, attention_mask, position_ids, logits_to_keep)
         if inputs_embeds is None:
             inputs_embeds = self.get_submodule(self.family.embed_name)(input_ids)
         if attention_mask is not None and bool(attention_mask.all()):
