@@ -4,7 +4,9 @@ memory; nf4 blocks compute exactly what float blocks with the dequantized weight
 from __future__ import annotations
 
 import copy
+import os
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -113,3 +115,24 @@ def test_nf4_without_bitsandbytes_says_how_to_install_it(monkeypatch: pytest.Mon
         assert type(linear[0]) is torch.nn.Linear  # refused before anything was replaced
     finally:
         bnb_functional.cache_clear()
+
+
+def test_nf4_in_a_worker_thread_keeps_to_torchs_thread_count() -> None:
+    """bitsandbytes' OpenMP loops would otherwise start a thread per core in a thread where torch set no count."""
+    quantized = Nf4Linear(torch.nn.Linear(256, 256))
+    counts: list[int] = []
+
+    def dequantize() -> None:
+        before = len(os.listdir("/proc/self/task"))
+        quantized.dequantized(torch.float32)
+        counts.extend([before, len(os.listdir("/proc/self/task"))])
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        worker = threading.Thread(target=dequantize)
+        worker.start()
+        worker.join()
+    finally:
+        torch.set_num_threads(threads)
+    assert counts[0] == counts[1]  # one OpenMP thread: the caller itself, no pool

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 from collections.abc import Callable
 from types import ModuleType
 
@@ -69,6 +70,20 @@ def bnb_functional() -> ModuleType:
     return bnb_f
 
 
+# the OpenMP thread count torch last set in each thread (see _match_torch_threads)
+_openmp_threads = threading.local()
+
+
+def _match_torch_threads() -> None:
+    """bitsandbytes' CPU loops run on as many OpenMP threads as the calling thread's OpenMP setting, which torch sets
+    only in the thread that called torch.set_num_threads; a server computes in a worker thread, where the default
+    (every core) would oversubscribe the CPU past --num-threads. Apply torch's count to this thread, once."""
+    threads = torch.get_num_threads()
+    if getattr(_openmp_threads, "count", None) != threads:
+        torch.set_num_threads(threads)
+        _openmp_threads.count = threads
+
+
 class Nf4Linear(nn.Module):
     """A frozen Linear whose weight is stored as packed 4-bit NormalFloat codes (two per byte) times a float32 scale
     per block of NF4_BLOCKSIZE weights. Forward dequantizes to the input's dtype and runs a plain F.linear, so
@@ -94,6 +109,7 @@ class Nf4Linear(nn.Module):
         """The weight as a new (out, in) float tensor of `dtype`."""
         shape = torch.Size((self.out_features, self.in_features))
         bnb_f = bnb_functional()
+        _match_torch_threads()
         state = bnb_f.QuantState(self.absmax, shape, blocksize=NF4_BLOCKSIZE, quant_type="nf4", dtype=dtype)
         return bnb_f.dequantize_4bit(self.weight_nf4, state)
 
