@@ -96,6 +96,7 @@ class Nf4Linear(nn.Module):
         weight = linear.weight.detach().contiguous()  # (out, in)
         if weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             weight = weight.float()
+        _match_torch_threads()  # servers load their blocks in a worker thread too
         packed, state = bnb_f.quantize_4bit(weight, blocksize=NF4_BLOCKSIZE, quant_type="nf4")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight_nf4: torch.Tensor
