@@ -1,10 +1,10 @@
 """Benchmark: many users at once through one loopback swarm, against one local process serving them in turn.
 
 Prints (1) the aggregate greedy decode rate of 1, 4 and 8 users generating different prompts at once through 2
-servers (their decode steps batch on the servers), with the p50/p95 gap between a user's tokens, against local
-generate() of the same 8 prompts one after another, and (2) how much
-one user's decode latency grows while another client runs 2048-token forward/backward passes through the same
-servers (the servers run inference steps before forward and backward work).
+servers (their decode steps batch on the servers, their LM heads on the client), with the p50/p95 gap between a
+user's tokens and the CPU time each process spends per token, against local generate() of the same 8 prompts one
+after another, and (2) how much one user's decode latency grows while another client runs 2048-token
+forward/backward passes through the same servers (the servers run inference steps before forward and backward work).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import statistics
 import threading
 import time
 
+import psutil
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -68,6 +69,23 @@ def together(
     return rate, [gap for clock in clocks for gap in clock.gaps()], outputs
 
 
+def cpu_seconds() -> dict[str, float]:
+    """CPU seconds used so far by this process (the client: all users) and each process it started (servers, the
+    DHT daemons), by role."""
+    roles: dict[str, float] = {}
+    me = psutil.Process()
+    for process in [me, *me.children(recursive=True)]:
+        try:
+            times, command = process.cpu_times(), " ".join(process.cmdline())
+        except psutil.Error:
+            continue
+        role = "client" if process.pid == me.pid else "server" if " serve " in command else "p2p daemons"
+        if role == "server":
+            role = f"server {command.split('--blocks ')[1].split()[0]}"
+        roles[role] = roles.get(role, 0.0) + times.user + times.system
+    return roles
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -115,12 +133,14 @@ def main() -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--train-tokens", type=int, default=2048, help="tokens of the competing forward/backward")
+    parser.add_argument("--server-threads", type=int, default=None,
+                        help="torch threads of each server (default: torch's choice)")  # fmt: skip
     args = parser.parse_args()
     model_dir = resolve_model(args.model)
     num_blocks = load_config(model_dir).num_hidden_layers
     inputs = prompts(model_dir)
-    print(f"model {args.model}, {len(inputs)} users, {args.new_tokens} new tokens each, greedy, fp32, "
-          f"torch threads {torch.get_num_threads()}")  # fmt: skip
+    print(f"model {args.model}, {len(inputs)} users, {args.new_tokens} new tokens each, greedy, fp32, torch threads "
+          f"{torch.get_num_threads()} (client), {args.server_threads or 'default'} (each server)")  # fmt: skip
 
     local = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa", dtype=torch.float32).eval()
     greedy(local, inputs[0], 4)  # warm-up
@@ -129,16 +149,22 @@ def main() -> None:
     local_rate = len(inputs) * args.new_tokens / (time.perf_counter() - began)
     del local
 
-    with LocalSwarm(str(model_dir)) as swarm:
+    with LocalSwarm(str(model_dir), threads_per_server=args.server_threads) as swarm:
         swarm.start_servers(even_spans(num_blocks, 2))
         with AutoDistributedModelForCausalLM.from_pretrained(str(model_dir), initial_peers=swarm.initial_peers) as m:
             greedy(m, inputs[0], 4)  # warm-up: routes measured, connections open
-            runs = {}
+            runs, cpu, heads = {}, {}, {}
+            head = m._head_batcher
             for users in (1, 4, len(inputs)):
+                before, head_before = cpu_seconds(), (head.batches, head.rows)
                 rate, gaps, outputs = together(m, inputs[:users], args.new_tokens)
+                after = cpu_seconds()
                 if outputs != expected[:users]:
                     raise SystemExit("the swarm generated other tokens than the local model")
                 runs[users] = (rate, percentile(gaps, 0.5), percentile(gaps, 0.95))
+                tokens = users * args.new_tokens
+                cpu[users] = {role: 1000 * (after[role] - before.get(role, 0.0)) / tokens for role in after}
+                heads[users] = (head.rows - head_before[1]) / max(1, head.batches - head_before[0])
             batches = [
                 int(line.split(BATCH_LINE)[1].split()[0])
                 for server in swarm.servers
@@ -163,6 +189,11 @@ def main() -> None:
         name = f"swarm (2 servers), {users} user(s) at once"
         print(f"{name:<40}{rate:>10.1f}{rate / local_rate:>8.2f}{rate / runs[1][0]:>11.2f}"
               f"{p50 * 1000:>8.0f}{p95 * 1000:>8.0f}")  # fmt: skip
+    roles = sorted(cpu[len(inputs)])
+    print(f"\nCPU ms per generated token (prompts included), by process: {', '.join(roles)}, total")
+    for users, by_role in cpu.items():
+        print(f"  {users} user(s): " + "  ".join(f"{by_role.get(r, 0.0):6.1f}" for r in roles)
+              + f"  {sum(by_role.values()):6.1f}   (client LM head: {heads[users]:.1f} rows per product)")  # fmt: skip
     if batches:
         print(f"decode steps batched on the servers: {len(batches)} batches, median {statistics.median(batches):.0f}"
               f" and at most {max(batches)} sessions each")  # fmt: skip

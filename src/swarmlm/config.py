@@ -38,7 +38,7 @@ class ServerConfig:
     drain_timeout_s: float = 30.0  # on leaving (or moving), open inference sessions may finish for this long
     rebalance_interval_s: float = 60.0  # how often a num_blocks server checks whether to move (0: never)
     balance_quality: float = 0.75  # move when the swarm's bottleneck < quality * its bottleneck after the move
-    quant: str | None = None  # "int8": blocks' Linear weights stored as int8 (announced as dtype "int8")
+    quant: str | None = None  # "int8" or "nf4": blocks' Linear weights stored so (announced as that dtype)
     adapters: tuple[str, ...] = ()  # folders of PEFT LoRA adapters for the served blocks, named by folder name
     max_frame_mb: float = 4.0  # largest frame (protobuf part) a peer may send, in MB (ours carry <= 1 MiB of tensors)
     swarm_key: bytes | None = None  # secret of a private swarm (swarm/private.py); None: an open swarm
@@ -50,6 +50,7 @@ class ClientConfig:
     dht_prefix: str | None = None  # name the swarm's records live under (default: derived from the model)
     max_tokens_per_request: int = 1024  # bigger batches are split into concurrent sub-batches of this many tokens
     request_timeout_s: float = 60.0  # a span call taking longer counts as a server failure
+    liveness_check_s: float = 5.0  # a reply awaited this long: ping the server; silent as long again = failed (0: off)
     missing_blocks_timeout_s: float = 30.0  # how long to wait for a server to cover a block before giving up
     max_retries: int = 10  # failed span calls tolerated per request before the error is raised
     ban_base_s: float = 1.0  # first ban of a failed server; doubles on each further failure

@@ -65,6 +65,7 @@ def test_bad_adapters_and_quantization_get_clear_errors(tiny_model_dir: Path, tm
     missing.mkdir()
     result = run_cli("serve", str(tiny_model_dir), "--blocks", "0:2", "--new-swarm", "--adapters", str(missing))
     assert result.returncode == 2 and "adapter_config.json" in result.stderr
-    result = run_cli("serve", str(tiny_model_dir), "--blocks", "0:2", "--new-swarm", "--quant", "int8",
-                     "--adapters", str(missing))  # fmt: skip
-    assert result.returncode == 2 and "cannot be combined" in result.stderr
+    for mode in ("int8", "nf4"):
+        result = run_cli("serve", str(tiny_model_dir), "--blocks", "0:2", "--new-swarm", "--quant", mode,
+                         "--adapters", str(missing))  # fmt: skip
+        assert result.returncode == 2 and "cannot be combined" in result.stderr

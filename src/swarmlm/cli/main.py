@@ -9,6 +9,7 @@ import sys
 from swarmlm.config import ServerConfig
 from swarmlm.errors import SwarmError
 from swarmlm.models.loading import DEFAULT_MODEL
+from swarmlm.models.quant import QUANT_MODES
 
 
 def parse_blocks(text: str) -> tuple[int, int]:
@@ -109,9 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--record-ttl", type=float, default=ServerConfig.record_ttl_s,
                        help="seconds a record lives unrefreshed (a crashed server is forgotten then)")  # fmt: skip
     serve.add_argument(
-        "--quant", choices=["int8"], default=None,
-        help="store the blocks' Linear weights as int8 (~4x less memory; announced as dtype int8, which clients "
-        "accept only when their accepted_dtypes include it)",
+        "--quant", choices=QUANT_MODES, default=None,
+        help="store the blocks' Linear weights as int8 (~4x less memory) or nf4 (4-bit, ~7x less; needs "
+        "bitsandbytes); announced as that dtype, which clients accept only when their accepted_dtypes include it",
     )  # fmt: skip
     serve.add_argument(
         "--adapters", nargs="+", default=[], metavar="PATH",

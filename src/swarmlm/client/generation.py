@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from swarmlm.client.head_batching import HeadBatcher
 from swarmlm.client.inference import InferenceSession
 from swarmlm.client.speculative import DraftModel, PromptLookup, Proposer, speculative_generate
 
@@ -82,6 +83,7 @@ class RemoteGenerationMixin(_ModelBase):
     """Hugging Face generate() on top of InferenceSession; mixed into the distributed causal LM classes."""
 
     _session_stacks: SessionStacks
+    _head_batcher: HeadBatcher
 
     @property
     def _active_sessions(self) -> list[InferenceSession]:
@@ -209,8 +211,10 @@ class RemoteGenerationMixin(_ModelBase):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None,
         position_ids: torch.Tensor | None,
+        logits_to_keep: int | torch.Tensor = 0,
     ) -> CausalLMOutputWithPast:
-        """A forward through `session`: tokens it has not processed run through the servers' caches; their logits."""
+        """A forward through `session`: tokens it has not processed run through the servers' caches; their logits
+        (of the last logits_to_keep of them; 0: all)."""
         new_ids, hypo_ids, seen = new_tokens(session, input_ids)
         fresh = session.position == 0
         embeds = self.get_submodule(self.family.embed_name)(new_ids)
@@ -238,5 +242,8 @@ class RemoteGenerationMixin(_ModelBase):
         hidden = self.get_submodule(self.family.norm_name)(hidden.to(embeds.dtype))
         if tuning is not None and fresh:
             hidden = hidden[:, tuning.pre_seq_len :]
-        logits = self.family.final_logits(self.config, self.get_submodule(self.family.head_name)(hidden))
-        return CausalLMOutputWithPast(logits=logits)
+        hidden = hidden[:, slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep]
+        head = self.get_submodule(self.family.head_name)
+        # without gradients (generation), concurrent callers' rows share one product (client/head_batching.py)
+        logits = self._head_batcher(head, hidden) if not torch.is_grad_enabled() else head(hidden)
+        return CausalLMOutputWithPast(logits=self.family.final_logits(self.config, logits))

@@ -127,9 +127,9 @@ class _SpanSession:
             raise RemoteCallError(f"inference reply has shapes {[tuple(o.shape) for o in outputs]}", self.span.peer_id)
         return outputs[0]
 
-    async def receive(self, like: torch.Tensor) -> torch.Tensor:
-        """The output of a step another server pushed here (shaped like the step's hidden states)."""
-        (output,) = await self.stream.receive([Expected.like(like)])
+    async def receive(self, like: torch.Tensor, upstream: str) -> torch.Tensor:
+        """The output of a step server `upstream` pushed here (shaped like the step's hidden states)."""
+        (output,) = await self.stream.receive([Expected.like(like)], upstream)
         return output
 
     @property
@@ -318,7 +318,7 @@ class InferenceSession:
                     start_from = None if span_session.tokens == position else position
                     out = await span_session.send(sent, start_from, next_hops=hops)
                 else:
-                    out = await span_session.receive(hidden)
+                    out = await span_session.receive(hidden, spans[index - 1].span.peer_id)
                 span_session.pending, span_session.tokens = sent, position + hidden.shape[1]
                 hidden = out
                 outputs.append(out)
@@ -329,7 +329,11 @@ class InferenceSession:
             raise  # that server refused the step and pushed nothing on; spans before it are cut back next step
         except (RemoteCallError, _PushFailed) as e:
             # first close what may still receive the step; then count the failure (which may end the request)
-            await self._drop_after(index if spans[index].pending is None else index + 1)
+            if isinstance(e, RemoteCallError) and index > 0 and e.peer_id == spans[index - 1].span.peer_id:
+                index -= 1  # the server that should have pushed went silent: its cache is lost to us as well
+                await self._drop_after(index)
+            else:
+                await self._drop_after(index if spans[index].pending is None else index + 1)
             if isinstance(e, RemoteCallError):
                 retry.failed(spans[index].span, e)
             elif index + 1 < len(spans):

@@ -13,6 +13,7 @@ from transformers import PretrainedConfig
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from swarmlm.client.generation import RemoteGenerationMixin, SessionStacks
+from swarmlm.client.head_batching import HeadBatcher
 from swarmlm.client.inference import InferenceSession
 from swarmlm.client.lora import DEFAULT_ALPHA, DEFAULT_RANK, DEFAULT_TARGETS, LoraTuning
 from swarmlm.client.prompts import PromptTuning
@@ -93,6 +94,8 @@ class DistributedCausalLMMixin(RemoteGenerationMixin):
         instance.prompt_tuning = None
         instance.lora_tuning = None
         instance._session_stacks = SessionStacks()
+        # the LM head of concurrent generations (threads sharing this model) runs as one product
+        instance._head_batcher = HeadBatcher()
         if tuning_mode == "lora":
             targets = (lora_target_modules,) if isinstance(lora_target_modules, str) else lora_target_modules
             instance.lora_tuning = LoraTuning(config, family, str(model), lora_rank, lora_alpha, targets)
@@ -145,7 +148,7 @@ class DistributedCausalLMMixin(RemoteGenerationMixin):
         if session is not None:
             if input_ids is None or labels is not None:
                 raise ValueError("a forward through an inference session takes input_ids and no labels")
-            return self._session_forward(session, input_ids, attention_mask, position_ids)
+            return self._session_forward(session, input_ids, attention_mask, position_ids, logits_to_keep)
         if inputs_embeds is None:
             inputs_embeds = self.get_submodule(self.family.embed_name)(input_ids)
         if attention_mask is not None and bool(attention_mask.all()):

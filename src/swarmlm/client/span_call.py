@@ -13,6 +13,7 @@ from hivemind.p2p import P2PDaemonError, P2PHandlerError
 from hivemind.proto import runtime_pb2
 
 from swarmlm.client import trace
+from swarmlm.client.liveness import watched
 from swarmlm.client.sequence_manager import SequenceManager
 from swarmlm.client.streams import PeerStream
 from swarmlm.client.wire import from_wire, on_wire, to_wire
@@ -121,7 +122,8 @@ async def call_span(
     with remote_errors(method, peer_id, timeout_s):
         async with asyncio.timeout(timeout_s):
             limit = reply_bytes(wire_expected)
-            message = await _one_exchange(manager, peer_id, method, header, sent, ReplyHeader, limit)
+            exchange = _one_exchange(manager, peer_id, method, header, sent, ReplyHeader, limit)
+            message = await watched(exchange, manager, [peer_id])
     reply, outputs = _checked(manager, message, method, peer_id, time.perf_counter() - began)
     check_outputs(outputs, wire_expected, method, peer_id)
     # the whole time by our clock, compute included: the compute time a server reports is its claim, not a measure
@@ -215,23 +217,27 @@ class SpanStream:
         self.manager.record_success(self.peer_id, elapsed_s, call_work(self._span[1] - self._span[0], tensors))
         return accepted
 
-    async def receive(self, expected: Sequence[Expected]) -> list[torch.Tensor]:
-        """Read one more reply without sending (the answer to a step another server pushed to this session)."""
+    async def receive(self, expected: Sequence[Expected], upstream: str | None = None) -> list[torch.Tensor]:
+        """Read one more reply without sending (the answer to a step another server pushed to this session);
+        upstream: the server that pushes it, whose silence fails the wait too."""
         began = time.perf_counter()
         deadline = asyncio.get_running_loop().time() + self.manager.config.request_timeout_s
-        message = await self._read(expected_on_wire(expected, self.manager.wire), deadline)
+        upstreams = () if upstream is None else (upstream,)
+        message = await self._read(expected_on_wire(expected, self.manager.wire), deadline, upstreams)
         reply, outputs = check_reply(message, self.method, self.peer_id)
         return self._accept(reply, outputs, expected, "pushed step", time.perf_counter() - began)
 
     async def _read(
-        self, wire_expected: Sequence[Expected], deadline: float
+        self, wire_expected: Sequence[Expected], deadline: float, upstreams: Sequence[str] = ()
     ) -> tuple[ReplyHeader, list[torch.Tensor]] | None:
-        """The next reply on the open stream, read by the deadline and only up to the expected bytes."""
+        """The next reply on the open stream, read by the deadline and only up to the expected bytes; a silent
+        server (this one, or an upstream one) fails the read early (client/liveness.py)."""
         with remote_errors(self.method, self.peer_id, self.manager.config.request_timeout_s):
             async with asyncio.timeout_at(deadline):
                 if self._replies is None:
                     raise ProtocolError("the stream is not open")
-                return await read_message(self._replies, ReplyHeader, max_bytes=reply_bytes(wire_expected))
+                reading = read_message(self._replies, ReplyHeader, max_bytes=reply_bytes(wire_expected))
+                return await watched(reading, self.manager, [self.peer_id, *upstreams])
 
     def _accept(
         self, reply: ReplyHeader, outputs: list[torch.Tensor], expected: Sequence[Expected], kind: str,

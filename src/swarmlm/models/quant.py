@@ -1,16 +1,27 @@
-"""Weight-only int8 quantization of a span's blocks: each Linear keeps int8 weights with one float scale per output
-row and dequantizes them for each call, so memory per block drops ~4x from fp32 and autograd wrt inputs still works
-(backward requests are served as usual)."""
+"""Weight-only quantization of a span's blocks: int8 (one float scale per output row, implemented here) or nf4
+(4-bit NormalFloat in blocks of 64 weights with one float scale each, packed and unpacked by bitsandbytes). Each
+Linear keeps its quantized weight and dequantizes it for each call, so memory per block drops ~4x (int8) or ~7x (nf4)
+from fp32 and autograd wrt inputs still works (backward requests are served as usual)."""
 
 from __future__ import annotations
+
+import functools
+import logging
+import threading
+from collections.abc import Callable
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F  # noqa: N812 - the usual name
 from torch import nn
 
+from swarmlm.errors import SwarmError
+
 # the largest magnitude of a signed 8-bit value: each row's largest |weight| maps to it
 _INT8_MAX = 127.0
-QUANT_MODES = ("int8",)
+# weights per nf4 scale: bitsandbytes' default (QLoRA's choice); 4.5 bits per weight with a float32 scale
+NF4_BLOCKSIZE = 64
+QUANT_MODES = ("int8", "nf4")
 
 
 class Int8Linear(nn.Module):
@@ -36,17 +47,112 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
 
 
-def quantize_int8(module: nn.Module) -> int:
-    """Replace every nn.Linear inside `module` by an Int8Linear, in place; returns how many were replaced. Weights
-    that are no Linear (norms, Mixtral's stacked experts) stay as they are."""
+class _DropOptionalKernelNotice(logging.Filter):
+    """bitsandbytes' CPU backend warns at import that an optional fused kernel (fetched from the Hugging Face Hub) is
+    missing; only its own Linear4bit uses that kernel, never Nf4Linear, so the warning would only mislead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "kernels-community" not in record.getMessage()
+
+
+@functools.cache
+def bnb_functional() -> ModuleType:
+    """bitsandbytes.functional, or a SwarmError saying how to install it (it is needed only for nf4)."""
+    notices = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    quiet = _DropOptionalKernelNotice()
+    notices.addFilter(quiet)
+    try:
+        import bitsandbytes.functional as bnb_f
+    except ImportError as e:
+        raise SwarmError("--quant nf4 needs bitsandbytes: pip install 'swarmlm[nf4]'") from e
+    finally:
+        notices.removeFilter(quiet)
+    return bnb_f
+
+
+# the OpenMP thread count torch last set in each thread (see _match_torch_threads)
+_openmp_threads = threading.local()
+
+
+def _match_torch_threads() -> None:
+    """bitsandbytes' CPU loops run on as many OpenMP threads as the calling thread's OpenMP setting, which torch sets
+    only in the thread that called torch.set_num_threads; a server computes in a worker thread, where the default
+    (every core) would oversubscribe the CPU past --num-threads. Apply torch's count to this thread, once."""
+    threads = torch.get_num_threads()
+    if getattr(_openmp_threads, "count", None) != threads:
+        torch.set_num_threads(threads)
+        _openmp_threads.count = threads
+
+
+class Nf4Linear(nn.Module):
+    """A frozen Linear whose weight is stored as packed 4-bit NormalFloat codes (two per byte) times a float32 scale
+    per block of NF4_BLOCKSIZE weights. Forward dequantizes to the input's dtype and runs a plain F.linear, so
+    autograd wrt the input works (bitsandbytes' own Linear4bit repacks its weight on CPU at the first call without
+    gradients, after which it silently returns no input gradient)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        bnb_f = bnb_functional()
+        weight = linear.weight.detach().contiguous()  # (out, in)
+        if weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            weight = weight.float()
+        _match_torch_threads()  # servers load their blocks in a worker thread too
+        packed, state = bnb_f.quantize_4bit(weight, blocksize=NF4_BLOCKSIZE, quant_type="nf4")
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight_nf4: torch.Tensor
+        self.absmax: torch.Tensor
+        self.bias: torch.Tensor | None
+        self.register_buffer("weight_nf4", packed)  # (out * in / 2, 1) uint8: two codes per byte
+        self.register_buffer("absmax", state.absmax.float())  # (out * in / NF4_BLOCKSIZE,) float32
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight as a new (out, in) float tensor of `dtype`."""
+        shape = torch.Size((self.out_features, self.in_features))
+        bnb_f = bnb_functional()
+        _match_torch_threads()
+        state = bnb_f.QuantState(self.absmax, shape, blocksize=NF4_BLOCKSIZE, quant_type="nf4", dtype=dtype)
+        return bnb_f.dequantize_4bit(self.weight_nf4, state)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.dequantized(x.dtype)  # for this call only
+        return F.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, nf4"
+
+
+def _replace_linears(module: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> int:
     replaced = 0
     for name, child in list(module.named_children()):
         if type(child) is nn.Linear:
-            setattr(module, name, Int8Linear(child))
+            setattr(module, name, make(child))
             replaced += 1
         else:
-            replaced += quantize_int8(child)
+            replaced += _replace_linears(child, make)
     return replaced
+
+
+def quantize_int8(module: nn.Module) -> int:
+    """Replace every nn.Linear inside `module` by an Int8Linear, in place; returns how many were replaced. Weights
+    that are no Linear (norms, Mixtral's stacked experts) stay as they are."""
+    return _replace_linears(module, Int8Linear)
+
+
+def quantize_nf4(module: nn.Module) -> int:
+    """Replace every nn.Linear inside `module` by an Nf4Linear, in place; returns how many were replaced. Weights
+    that are no Linear (norms, Mixtral's stacked experts) stay as they are."""
+    bnb_functional()  # a missing bitsandbytes fails here, before any layer is touched
+    return _replace_linears(module, Nf4Linear)
+
+
+def quantize(module: nn.Module, mode: str) -> int:
+    """Quantize `module`'s Linears in place to `mode` (one of QUANT_MODES); returns how many were replaced."""
+    if mode == "int8":
+        return quantize_int8(module)
+    if mode == "nf4":
+        return quantize_nf4(module)
+    raise SwarmError(f"quantization must be one of {', '.join(QUANT_MODES)}, not {mode!r}")
 
 
 def module_bytes(module: nn.Module) -> int:

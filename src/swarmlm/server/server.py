@@ -21,7 +21,7 @@ from swarmlm.models.adapters import adapter_name, load_adapters
 from swarmlm.models.fingerprint import model_fingerprint
 from swarmlm.models.loading import load_config, resolve_model
 from swarmlm.models.naming import default_dht_prefix
-from swarmlm.models.quant import QUANT_MODES, module_bytes, quantize_int8
+from swarmlm.models.quant import QUANT_MODES, bnb_functional, module_bytes, quantize
 from swarmlm.models.span import SpanModel
 from swarmlm.protocol import service
 from swarmlm.protocol.messages import ServerInfo
@@ -73,6 +73,8 @@ class Server:
             raise SwarmError(f"--quant must be one of {', '.join(QUANT_MODES)}, not {config.quant!r}")
         if config.quant is not None and config.adapters:
             raise SwarmError("--quant and --adapters cannot be combined: LoRA adapters need the blocks' float Linears")
+        if config.quant == "nf4":
+            bnb_functional()  # a missing bitsandbytes is reported now, before the DHT starts
         # quantized blocks give slightly different outputs: announced as their own dtype, which clients opt into
         self.announced_dtype = config.quant or config.dtype
         self.since = 0.0  # DHT time this span was claimed (set when announced)
@@ -116,10 +118,10 @@ class Server:
         span = SpanModel.from_dir(self.model_dir, start, end, DTYPES[cfg.dtype], cfg.device)
         if cfg.adapters:
             load_adapters(span, cfg.adapters)
-        if cfg.quant == "int8":
+        if cfg.quant is not None:
             before = module_bytes(span.layers)
-            quantize_int8(span.layers)
-            logger.info("Quantized blocks %d:%d to int8: %.2f MB per block (%.2f MB before)", start, end,
+            quantize(span.layers, cfg.quant)
+            logger.info("Quantized blocks %d:%d to %s: %.2f MB per block (%.2f MB before)", start, end, cfg.quant,
                         module_bytes(span.layers) / (end - start) / 1e6, before / (end - start) / 1e6)  # fmt: skip
         backend = SpanBackend(span, DTYPES[cfg.dtype], cfg.device, cfg.max_tokens_per_request)
         self.throughput = backend.measure_throughput()

@@ -1,0 +1,101 @@
+"""The client's LM head batcher: concurrent callers share one product and each gets exactly its own rows."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from swarmlm.client.head_batching import HeadBatcher
+
+
+class SlowHead(torch.nn.Linear):
+    """A head that takes a while, so callers pile up behind it; it counts the rows of each call."""
+
+    def __init__(self) -> None:
+        super().__init__(8, 50, bias=False)
+        self.calls: list[int] = []
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.calls.append(hidden.shape[0])
+        time.sleep(0.05)
+        return super().forward(hidden)
+
+
+def call_together(batcher: HeadBatcher, head, inputs: list[torch.Tensor]) -> list[object]:
+    results: list[object] = [None] * len(inputs)
+    go = threading.Barrier(len(inputs))
+
+    def work(i: int) -> None:
+        go.wait()
+        try:
+            results[i] = batcher(head, inputs[i])
+        except Exception as e:  # noqa: BLE001 - the test looks at what each caller got
+            results[i] = e
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(inputs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    return results
+
+
+def test_concurrent_callers_share_products_and_get_their_own_rows() -> None:
+    torch.manual_seed(0)
+    head, batcher = SlowHead(), HeadBatcher()
+    inputs = [torch.randn(1, 1, 8) for _ in range(6)] + [torch.randn(2, 3, 8)]
+    results = call_together(batcher, head, inputs)
+    with torch.no_grad():
+        for hidden, result in zip(inputs, results, strict=True):
+            assert isinstance(result, torch.Tensor) and result.shape == (*hidden.shape[:-1], 50)
+            torch.testing.assert_close(result, torch.nn.functional.linear(hidden, head.weight), rtol=1e-5, atol=1e-6)
+    # 7 callers and 12 rows, in fewer products than callers: those that waited ran together
+    assert sum(head.calls) == 12 and len(head.calls) < len(inputs)
+    assert batcher.rows == 12 and batcher.batches == len(head.calls)
+
+
+def test_a_failing_product_fails_every_caller_in_it_and_the_next_ones_still_run() -> None:
+    batcher = HeadBatcher()
+
+    def broken(hidden: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.05)
+        raise ValueError("head failed")
+
+    results = call_together(batcher, broken, [torch.randn(1, 1, 8) for _ in range(4)])
+    assert all(isinstance(r, ValueError) for r in results)
+    head = SlowHead()
+    assert batcher(head, torch.randn(1, 1, 8)).shape == (1, 1, 50)
+
+
+def test_callers_of_different_heads_are_not_mixed() -> None:
+    first, second, batcher = SlowHead(), SlowHead(), HeadBatcher()
+    inputs = [torch.randn(1, 1, 8) for _ in range(6)]
+    heads = [first, second] * 3
+    results: list[object] = [None] * 6
+    go = threading.Barrier(6)
+
+    def work(i: int) -> None:
+        go.wait()
+        results[i] = batcher(heads[i], inputs[i])
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    with torch.no_grad():
+        for head, hidden, result in zip(heads, inputs, results, strict=True):
+            torch.testing.assert_close(result, torch.nn.functional.linear(hidden, head.weight))
+    assert sum(first.calls) == 3 and sum(second.calls) == 3
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_one_caller_alone_runs_at_once(rows: int) -> None:
+    head, batcher = SlowHead(), HeadBatcher()
+    hidden = torch.randn(rows, 1, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(batcher(head, hidden), head(hidden))
+    assert head.calls == [rows, rows]
