@@ -222,3 +222,20 @@ def test_a_sessions_lora_weights_count_against_its_peers_memory_bound(span: Span
         assert held.weights is None and ledger.usage("peer").buffered_bytes == 0
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("mode", "options", "named"),
+    [
+        (None, dict(lora_rank=4), "lora_rank"),
+        ("deep_ptune", dict(lora_target_modules=("q_proj",)), "lora_target_modules"),
+        ("lora", dict(pre_seq_len=8), "pre_seq_len"),
+        (None, dict(pre_seq_len=8), "pre_seq_len"),
+    ],
+)
+def test_options_of_another_tuning_mode_are_refused_not_ignored(mode, options, named) -> None:
+    from swarmlm.client.model import AutoDistributedModelForCausalLM
+
+    with pytest.raises(ValueError, match=named):
+        # refused before anything is loaded or connected
+        AutoDistributedModelForCausalLM.from_pretrained("no-such-model", tuning_mode=mode, **options)

@@ -55,22 +55,24 @@ class DistributedCausalLMMixin(RemoteGenerationMixin):
         torch_dtype: torch.dtype | str | None = None,
         cache_dir: str | os.PathLike | None = None,
         tuning_mode: str | None = None,
-        pre_seq_len: int = 16,
-        lora_rank: int = DEFAULT_RANK,
-        lora_alpha: int = DEFAULT_ALPHA,
-        lora_target_modules: tuple[str, ...] | list[str] = DEFAULT_TARGETS,
+        pre_seq_len: int | None = None,
+        lora_rank: int | None = None,
+        lora_alpha: int | None = None,
+        lora_target_modules: tuple[str, ...] | list[str] | str | None = None,
         swarm_key: str | os.PathLike | bytes | None = None,
         **client_options: Any,
     ) -> DistributedCausalLMMixin:
         """Load the local parts of `model` (a name, .gguf or HF folder) and connect to the swarm serving its blocks.
 
         dtype is that of the local parts ("auto": the checkpoint's); torch_dtype is its older name, as in Petals.
-        tuning_mode "ptune" or "deep_ptune" adds pre_seq_len trainable prompts (the only trainable parameters);
-        "lora" adds trainable LoRA matrices of rank lora_rank (scaling lora_alpha / lora_rank, as PEFT) on the
-        lora_target_modules of every block (no dropout), which travel with every request to the servers.
+        tuning_mode "ptune" or "deep_ptune" adds pre_seq_len (default 16) trainable prompts (the only trainable
+        parameters); "lora" adds trainable LoRA matrices of rank lora_rank (default 8; scaling lora_alpha / lora_rank,
+        as PEFT, alpha default 16) on the lora_target_modules (default q_proj, v_proj) of every block (no dropout),
+        which travel with every request to the servers. Options of another mode than the one chosen are an error.
         swarm_key: a private swarm's key file (or its 32-byte secret).
         client_options are ClientConfig fields (dht_prefix, max_tokens_per_request, request_timeout_s, ...).
         """
+        _check_tuning_options(tuning_mode, pre_seq_len, lora_rank, lora_alpha, lora_target_modules)
         known = {f.name for f in fields(ClientConfig)} - {"initial_peers", "swarm_key"}
         unknown = set(client_options) - known
         if unknown:
@@ -97,12 +99,16 @@ class DistributedCausalLMMixin(RemoteGenerationMixin):
         # the LM head of concurrent generations (threads sharing this model) runs as one product
         instance._head_batcher = HeadBatcher()
         if tuning_mode == "lora":
-            targets = (lora_target_modules,) if isinstance(lora_target_modules, str) else lora_target_modules
-            instance.lora_tuning = LoraTuning(config, family, str(model), lora_rank, lora_alpha, targets)
+            targets = DEFAULT_TARGETS if lora_target_modules is None else lora_target_modules
+            targets = (targets,) if isinstance(targets, str) else tuple(targets)
+            rank = DEFAULT_RANK if lora_rank is None else lora_rank
+            alpha = DEFAULT_ALPHA if lora_alpha is None else lora_alpha
+            instance.lora_tuning = LoraTuning(config, family, str(model), rank, alpha, targets)
         elif tuning_mode is not None:
             instance.prompt_tuning = PromptTuning(
-                tuning_mode, pre_seq_len, config.hidden_size, config.num_hidden_layers, config.initializer_range
-            )
+                tuning_mode, 16 if pre_seq_len is None else pre_seq_len, config.hidden_size,
+                config.num_hidden_layers, config.initializer_range,
+            )  # fmt: skip
         # only servers of this very checkpoint are used, whatever else is announced under the prefix
         fingerprint = model_fingerprint(model_dir)
         client = SwarmClient(client_config, options["dht_prefix"], config.num_hidden_layers, fingerprint)
@@ -251,3 +257,16 @@ class AutoDistributedModelForCausalLM:
     @staticmethod
     def from_pretrained(model: str | os.PathLike, **kwargs: Any) -> DistributedCausalLMMixin:
         return DistributedCausalLMMixin.from_pretrained(model, **kwargs)
+
+
+def _check_tuning_options(
+    mode: str | None, pre_seq_len: int | None, rank: int | None, alpha: int | None, targets: object
+) -> None:
+    """Options of a tuning mode other than the chosen one would be silently ignored: refuse them instead."""
+    lora = {"lora_rank": rank, "lora_alpha": alpha, "lora_target_modules": targets}
+    stray = [name for name, value in lora.items() if value is not None] if mode != "lora" else []
+    if pre_seq_len is not None and mode not in ("ptune", "deep_ptune"):
+        stray.append("pre_seq_len")
+    if stray:
+        raise ValueError(f"{', '.join(stray)} do(es) not apply to tuning_mode={mode!r}: "
+                         "pre_seq_len is for 'ptune' and 'deep_ptune', lora_* options for 'lora'")  # fmt: skip
