@@ -17,6 +17,7 @@ class ServerConfig:
     port: int = 0  # TCP port to listen on (0: any free port)
     announce_maddrs: tuple[str, ...] = ()  # addresses others dial (port forward, proxy); default: the listening ones
     identity_path: str | None = None  # Ed25519 key file keeping the peer id across restarts (created if missing)
+    relays: tuple[str, ...] = ()  # relay peers (.../p2p/<id>) to be dialled through when no inbound connection works
     dtype: str = "float32"  # compute dtype of the blocks: float32 | bfloat16 | float16
     device: str = "cpu"  # torch device of the blocks
     dht_prefix: str | None = None  # name the swarm's records live under (default: derived from the model)
