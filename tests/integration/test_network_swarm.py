@@ -1,7 +1,8 @@
 """A swarm over emulated hosts (swarmlm.netbed): every server on a host of its own behind a delaying link, the
-client on another. Generation equals a local run across 50 ms links, also when a server is SIGKILLed mid-generation,
-and through a server behind NAT that is reached only through the bootstrap node's relay; the client routes through
-the nearer of two replicas from its first request on."""
+client on another. Generation equals a local run across 50 ms links (also with steps pushed server to server, and
+with speculative decoding), also when a server is SIGKILLed mid-generation, and through a server behind NAT that is
+reached only through the bootstrap node's relay; the client routes through the nearer of two replicas from its first
+request on."""
 
 from __future__ import annotations
 
@@ -80,16 +81,52 @@ def test_servers_announce_the_address_of_their_link(swarm: NetSwarm, tiny_model_
         model.close()
 
 
+def local_greedy(reference: torch.nn.Module, ids: torch.Tensor, new: int) -> list[int]:
+    with torch.inference_mode():
+        out = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                                 do_sample=False)  # fmt: skip
+    return out[0].tolist()
+
+
+def pushes(model: torch.nn.Module) -> int:
+    return sum(info.pushes_received for info in model.server_infos().values())
+
+
 def test_greedy_generation_over_50ms_links_equals_local(swarm: NetSwarm, tiny_model_dir: Path, reference) -> None:
     ids = torch.tensor([[5, 17, 3, 99, 42, 8]])
-    expected = reference.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
-    model = connect(swarm, tiny_model_dir, swarm.servers[:2])  # 3 hosts: 2 servers and the client
+    model = connect(swarm, tiny_model_dir, swarm.servers[:2], use_push=False)  # 3 hosts: 2 servers and the client
     try:
         began = time.perf_counter()
-        output = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
-        assert output.tolist() == expected.tolist()
+        output = model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+        assert output[0].tolist() == local_greedy(reference, ids, NEW_TOKENS)
         # each of the 2 hops of every token crossed a 50 ms link twice: the emulated delay is real
         assert time.perf_counter() - began >= NEW_TOKENS * 2 * 0.1
+    finally:
+        model.close()
+
+
+def test_pushed_generation_over_50ms_links_equals_local(swarm: NetSwarm, tiny_model_dir: Path, reference) -> None:
+    ids = torch.tensor([[5, 17, 3, 99, 42, 8]])
+    model = connect(swarm, tiny_model_dir, swarm.servers[:2], use_push=True)
+    try:
+        before = pushes(model)
+        output = model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+        assert output[0].tolist() == local_greedy(reference, ids, NEW_TOKENS)
+        # every step reached the second server from the first one (across its 50 ms link), not from the client
+        assert pushes(model) - before >= NEW_TOKENS
+    finally:
+        model.close()
+
+
+def test_speculative_generation_over_50ms_links_equals_greedy(
+    swarm: NetSwarm, tiny_model_dir: Path, reference: torch.nn.Module
+) -> None:
+    ids = torch.tensor([[7, 8, 9, 7, 8, 9, 7, 8]])  # a repeating prompt: prompt lookup has drafts to propose
+    model = connect(swarm, tiny_model_dir, swarm.servers[:2])
+    try:
+        output = model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+                                prompt_lookup_num_tokens=4)  # fmt: skip
+        assert output[0].tolist() == local_greedy(reference, ids, NEW_TOKENS)
     finally:
         model.close()
 
