@@ -15,7 +15,7 @@ from hivemind.proto import runtime_pb2
 from swarmlm.client import trace
 from swarmlm.client.sequence_manager import SequenceManager
 from swarmlm.client.streams import PeerStream
-from swarmlm.client.wire import from_wire, on_wire, to_wire
+from swarmlm.client.wire import from_wire, marked, on_wire, to_wire
 from swarmlm.errors import BadRequestError, ProtocolError, RemoteCallError
 from swarmlm.protocol.codec import encode, read_message, read_only_message
 from swarmlm.protocol.messages import InferenceOpen, InfoRequest, ReplyHeader, ServerInfo, _Header
@@ -121,7 +121,8 @@ async def call_span(
     with remote_errors(method, peer_id, timeout_s):
         async with asyncio.timeout(timeout_s):
             limit = reply_bytes(wire_expected)
-            message = await _one_exchange(manager, peer_id, method, header, sent, ReplyHeader, limit)
+            message = await _one_exchange(manager, peer_id, method, marked(header, manager.wire), sent, ReplyHeader,
+                                          limit)  # fmt: skip
     reply, outputs = _checked(manager, message, method, peer_id, time.perf_counter() - began)
     check_outputs(outputs, wire_expected, method, peer_id)
     # the whole time by our clock, compute included: the compute time a server reports is its claim, not a measure
@@ -207,7 +208,7 @@ class SpanStream:
                     peer = await self.manager.ensure_connected(self.peer_id)
                     self._stream = await PeerStream.open(self.manager.p2p, peer, self.method)
                     self._replies = self._stream.replies()
-                await self._stream.send(encode(header, sent, runtime_pb2.ExpertRequest))
+                await self._stream.send(encode(marked(header, wire), sent, runtime_pb2.ExpertRequest))
         message = await self._read(wire_expected, deadline)
         reply, outputs = _checked(self.manager, message, self.method, self.peer_id, time.perf_counter() - began)
         elapsed_s = time.perf_counter() - began
