@@ -82,7 +82,7 @@ def start_dht(
     others should dial instead of the listening ones (a port forward, a proxy in front of this node).
 
     relays: full multiaddrs (.../p2p/<peer id>) of relay nodes for a node that accepts no inbound connections (behind
-    NAT or a firewall): it keeps a reservation on each and is dialled through them (circuit_maddrs), in addition to
+    NAT or a firewall): it keeps a reservation on each and is dialled through them (relay_circuit), in addition to
     announce_maddrs. relay_service: this node relays for such nodes (it must itself be reachable by everyone).
     """
     ip = "ip6" if ":" in host else "ip4"
