@@ -4,7 +4,8 @@ round-trip times and link rates, with ratios against one local process (same wei
 Each server runs on a host of its own behind a link of the given one-way delay (half the RTT) and rate; the client
 runs on another host. Needs root and iproute2 (network namespaces). Decode runs compare client-relayed steps, server-
 to-server push, and push with speculative decoding by prompt lookup, on a plain chat prompt and on a task whose answer
-copies its question; forward runs compare float32 and bfloat16 on the wire over a rate-capped link.
+copies its question; forward runs compare float32, bfloat16 and int8 (per-row scales) on the wire over a rate-capped
+link.
 """
 
 from __future__ import annotations
@@ -190,7 +191,8 @@ def main() -> None:
                   f"{rate / relayed[task]:>11.2f}", flush=True)  # fmt: skip
 
     print(f"\n{'forward ' + str(FORWARD_SHAPE) + ' through':<36}{'wire':>10}{'tokens/s':>10}{'ratio':>8}")
-    forwards = [(Setting(2, 20), "float32"), (Setting(2, 20, 50), "float32"), (Setting(2, 20, 50), "bfloat16")]
+    forwards = [(Setting(2, 20), "float32"), (Setting(2, 20, 50), "float32"), (Setting(2, 20, 50), "bfloat16"),
+                (Setting(2, 20, 50), "int8")]  # fmt: skip
     for setting, wire in [] if args.decode_only else forwards:
         def forward(connect: Any) -> float:
             return forward_tokens_per_s(connect(), args.repeats)

@@ -17,6 +17,7 @@ class ServerConfig:
     port: int = 0  # TCP port to listen on (0: any free port)
     announce_maddrs: tuple[str, ...] = ()  # addresses others dial (port forward, proxy); default: the listening ones
     identity_path: str | None = None  # Ed25519 key file keeping the peer id across restarts (created if missing)
+    relays: tuple[str, ...] = ()  # relay peers (.../p2p/<id>) to be dialled through when no inbound connection works
     dtype: str = "float32"  # compute dtype of the blocks: float32 | bfloat16 | float16
     device: str = "cpu"  # torch device of the blocks
     dht_prefix: str | None = None  # name the swarm's records live under (default: derived from the model)
@@ -69,6 +70,6 @@ class ClientConfig:
     verify_first_requests: int = 2  # results of a server are always checked until it passed this many checks
     report_ttl_s: float = 3600.0  # how long this client's reports of wrong results stay on the DHT
     swarm_key: bytes | None = None  # secret of a private swarm (swarm/private.py); None: an open swarm
-    wire_dtype: str = "float32"  # activations travel as float32 (exact), bfloat16 or float16 (half the bytes)
+    wire_dtype: str = "float32"  # activations travel as float32 (exact), bfloat16/float16 (half) or int8 (a quarter)
     ping_timeout_s: float = 2.0  # servers not yet called get one timed rpc_info before routing; longer = this far
     explore_interval_s: float = 30.0  # at most one route per this many s tries a server never measured (0: never)

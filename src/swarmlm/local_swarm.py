@@ -68,6 +68,7 @@ class LocalSwarm:
         extra_args: Sequence[str] = (),
         swarm_key_file: str | None = None,
         bootstrap_host: str = "127.0.0.1",
+        relay: bool = False,
     ):
         self.model, self.cache_dir, self.dht_prefix = model, cache_dir, dht_prefix
         self.swarm_key_file = swarm_key_file  # a private swarm: the bootstrap node and every server use this key
@@ -75,7 +76,10 @@ class LocalSwarm:
         self.log_dir = Path(tempfile.mkdtemp(prefix="swarmlm-logs-"))
         key = None if swarm_key_file is None else load_swarm_key(swarm_key_file)
         # every peer of a local swarm is reachable directly: NAT traversal would only add traffic
-        self.dht: ParentBoundDHT = start_dht(host=bootstrap_host, nat_traversal=False, swarm_key=key)
+        # relay: the bootstrap node also relays for servers started behind NAT (`serve --relay`)
+        self.dht: ParentBoundDHT = start_dht(
+            host=bootstrap_host, nat_traversal=False, swarm_key=key, relay_service=relay
+        )
         self.initial_peers = visible_maddrs(self.dht)
         self.servers: list[LocalServer] = []
 

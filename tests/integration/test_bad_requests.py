@@ -210,6 +210,25 @@ def test_a_forward_header_sent_to_backward_is_refused(raw: RawClient) -> None:
     assert reply.error_kind == "bad_request" and "kind" in reply.error
 
 
+INT8_VALUES = torch.randint(-127, 128, (1, 4, 64), dtype=torch.int8)
+MALFORMED_INT8 = {
+    "int8 values in a message not marked int8": (False, [INT8_VALUES, torch.ones(1, 4)], "header says int8"),
+    "too few scales": (True, [INT8_VALUES, torch.ones(1, 3)], "scales of shape (1, 4)"),
+    "negative scales": (True, [INT8_VALUES, -torch.ones(1, 4)], "finite, positive"),
+    "NaN scales": (True, [INT8_VALUES, torch.full((1, 4), float("nan"))], "finite, positive"),
+    "missing scales": (True, [INT8_VALUES], "stream ended inside a message"),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED_INT8))
+def test_malformed_int8_payloads_get_a_clear_error(raw: RawClient, case: str) -> None:
+    int8, tensors, reason = MALFORMED_INT8[case]
+    part = runtime_pb2.ExpertRequest(metadata=msgpack.packb({"header": {**V1, "int8": int8}, "n_tensors": 1}))
+    part.tensors.extend(one_chunk(t) for t in tensors)
+    reply, _ = raw.send([part])
+    assert not reply.ok and reply.error_kind == "bad_request" and reason in reply.error, reply.error
+
+
 def test_server_keeps_serving_after_bad_requests(raw: RawClient, swarm, tiny_model_dir: Path) -> None:
     for header, tensors, _ in CASES.values():
         raw.forward(header, tensors)
@@ -219,3 +238,5 @@ def test_server_keeps_serving_after_bad_requests(raw: RawClient, swarm, tiny_mod
         expected = load_reference(tiny_model_dir)(ids).logits
     with connected_model(tiny_model_dir, swarm) as model:
         assert (model(ids).logits - expected).abs().max().item() <= LOGITS_ATOL
+    with connected_model(tiny_model_dir, swarm, wire_dtype="int8") as model:  # also after malformed int8 payloads
+        assert (model(ids).logits - expected).abs().max().item() <= 0.03

@@ -48,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--announce-maddrs", nargs="*", default=[], metavar="MADDR",
                        help="addresses others should dial, e.g. /ip4/203.0.113.7/tcp/31337 behind a port forward "
                        "(default: the listening ones)")  # fmt: skip
+    serve.add_argument("--relay", nargs="+", default=[], metavar="MADDR",
+                       help="for a server that accepts no inbound connections (behind NAT or a firewall): be "
+                       "dialled through these relay peers (full multiaddrs ending in /p2p/<peer id>, e.g. a "
+                       "`swarmlm dht` node)")  # fmt: skip
     serve.add_argument("--identity", default=None, metavar="PATH",
                        help="key file that keeps this server's peer id across restarts (created, mode 0600, if "
                        "missing)")  # fmt: skip
@@ -122,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     dht = sub.add_parser("dht", help="run a bootstrap-only DHT node that others join")
     _add_network_args(dht)
+    dht.add_argument(
+        "--no-relay", action="store_true", help="do not relay for servers that accept no inbound connections"
+    )
     key = sub.add_parser("swarm-key", help="write a new random key for a private swarm")
     key.add_argument("file", help="where to write it (must not exist)")
 
@@ -231,6 +238,7 @@ def _serve(args: argparse.Namespace) -> None:
         port=args.port,
         announce_maddrs=tuple(args.announce_maddrs),
         identity_path=args.identity,
+        relays=tuple(args.relay),
         dtype=args.dtype,
         device=args.device,
         dht_prefix=args.dht_prefix,
@@ -277,7 +285,7 @@ def _new_swarm_key(args: argparse.Namespace) -> None:
 def _dht(args: argparse.Namespace) -> None:
     from swarmlm.swarm.bootstrap import run_bootstrap
 
-    run_bootstrap(tuple(args.initial_peers), args.host, args.port, _swarm_key(args))
+    run_bootstrap(tuple(args.initial_peers), args.host, args.port, _swarm_key(args), relay=not args.no_relay)
 
 
 def _demo(args: argparse.Namespace) -> None:

@@ -10,7 +10,6 @@ from collections.abc import Collection, Iterable
 
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
-from hivemind.utils.multiaddr import Multiaddr
 
 from swarmlm.client.health import Health
 from swarmlm.client.latency import measure_all
@@ -20,7 +19,7 @@ from swarmlm.client.wire import wire_dtype_of
 from swarmlm.config import ClientConfig
 from swarmlm.errors import MissingBlocksError, RemoteCallError
 from swarmlm.swarm import private, reports
-from swarmlm.swarm.dht import ParentBoundDHT, is_loopback_maddr, start_dht
+from swarmlm.swarm.dht import ParentBoundDHT, daemon_maddr, is_loopback_maddr, start_dht
 from swarmlm.swarm.private import blind_prefix
 from swarmlm.swarm.records import ServerRecord, fetch_servers
 from swarmlm.swarm.routing import RouteSpan, ServerView, find_route, missing_blocks
@@ -35,9 +34,9 @@ async def dial(p2p: P2P, peer: PeerID, addrs: list[str]) -> None:
     """Tell our p2pd where a server listens, so the first call need not wait for the DHT to have met it.
 
     hivemind has no public connect(); its own code calls the daemon client (the private `_client`) the same way.
-    The daemon wants transport addresses: the trailing /p2p/<peer id> of announced multiaddrs is dropped.
+    The daemon wants addresses without the trailing /p2p/<peer id>, and relayed ones encoded its way (daemon_maddr).
     """
-    await p2p._client.connect(peer, [Multiaddr(addr.split("/p2p/")[0]) for addr in addrs])
+    await p2p._client.connect(peer, [daemon_maddr(addr) for addr in addrs])
 
 
 def fitting_tokens(spans: Iterable[tuple[int, int, int | None]], start: int, end: int) -> int | None:

@@ -16,7 +16,7 @@ from swarmlm.client import trace
 from swarmlm.client.liveness import watched
 from swarmlm.client.sequence_manager import SequenceManager
 from swarmlm.client.streams import PeerStream
-from swarmlm.client.wire import from_wire, on_wire, to_wire
+from swarmlm.client.wire import from_wire, marked, on_wire, to_wire
 from swarmlm.errors import BadRequestError, ProtocolError, RemoteCallError
 from swarmlm.protocol.codec import encode, read_message, read_only_message
 from swarmlm.protocol.messages import InferenceOpen, InfoRequest, ReplyHeader, ServerInfo, _Header
@@ -122,7 +122,7 @@ async def call_span(
     with remote_errors(method, peer_id, timeout_s):
         async with asyncio.timeout(timeout_s):
             limit = reply_bytes(wire_expected)
-            exchange = _one_exchange(manager, peer_id, method, header, sent, ReplyHeader, limit)
+            exchange = _one_exchange(manager, peer_id, method, marked(header, manager.wire), sent, ReplyHeader, limit)
             message = await watched(exchange, manager, [peer_id])
     reply, outputs = _checked(manager, message, method, peer_id, time.perf_counter() - began)
     check_outputs(outputs, wire_expected, method, peer_id)
@@ -209,7 +209,7 @@ class SpanStream:
                     peer = await self.manager.ensure_connected(self.peer_id)
                     self._stream = await PeerStream.open(self.manager.p2p, peer, self.method)
                     self._replies = self._stream.replies()
-                await self._stream.send(encode(header, sent, runtime_pb2.ExpertRequest))
+                await self._stream.send(encode(marked(header, wire), sent, runtime_pb2.ExpertRequest))
         message = await self._read(wire_expected, deadline)
         reply, outputs = _checked(self.manager, message, self.method, self.peer_id, time.perf_counter() - began)
         elapsed_s = time.perf_counter() - began

@@ -3,17 +3,26 @@
 float32 (the default) sends tensors as they are, bit for bit. bfloat16 and float16 halve the bytes: float32 tensors
 (hidden states, gradients, prompts) are rounded to the wire dtype before sending; the server computes in its own
 dtype and answers in the dtype it was sent (server.backend), and the client widens the reply back to float32.
-Integer tensors (masks, positions, hypo ids) and tensors already narrower than float32 travel unchanged.
+int8 quarters them: the request's header says int8, and the codec sends every float tensor as int8 values with one
+float32 scale per row of its last dimension (protocol/int8.py); the server reads them back as float32 and answers
+the same way (also when it pushes a step on), and the client reads the reply as float32.
+Integer tensors (masks, positions, hypo ids) and, under 16-bit wires, tensors already narrower than float32 travel
+unchanged.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TypeVar
 
 import torch
 
+from swarmlm.protocol.messages import _Header
+
 # wire dtypes a client may choose; values: the dtype floats travel in
-WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}
+
+H = TypeVar("H", bound=_Header)
 
 
 def wire_dtype_of(name: str) -> torch.dtype:
@@ -23,16 +32,26 @@ def wire_dtype_of(name: str) -> torch.dtype:
 
 
 def _narrowed(dtype: torch.dtype, wire: torch.dtype) -> torch.dtype:
+    if wire == torch.int8:  # the codec quantizes; the receiver reads float32
+        return torch.float32 if dtype.is_floating_point else dtype
     return wire if dtype == torch.float32 else dtype
 
 
+def marked(header: H, wire: torch.dtype) -> H:
+    """The header of a request under this wire: with int8, one that says its tensors (and the reply's) are 8-bit."""
+    if wire != torch.int8 or "int8" not in type(header).model_fields:
+        return header
+    return header.model_copy(update={"int8": True})
+
+
 def to_wire(tensors: Sequence[torch.Tensor], wire: torch.dtype) -> list[torch.Tensor]:
-    """The tensors as they travel: float32 ones rounded to `wire` (the same objects when wire is float32)."""
-    return [t.to(_narrowed(t.dtype, wire)) if wire != torch.float32 else t for t in tensors]
+    """The tensors as they travel: float32 ones rounded to a 16-bit `wire` (the same objects for float32 and int8,
+    whose quantization the codec does)."""
+    return [t.to(_narrowed(t.dtype, wire)) if wire in (torch.bfloat16, torch.float16) else t for t in tensors]
 
 
 def on_wire(dtypes: Sequence[torch.dtype], wire: torch.dtype) -> list[torch.dtype]:
-    """The dtypes a reply carries on the wire for replies of `dtypes` (the server answers in what it was sent)."""
+    """The dtypes a reply carries, as read, for replies of `dtypes` (the server answers in what it was sent)."""
     return [_narrowed(dtype, wire) for dtype in dtypes]
 
 

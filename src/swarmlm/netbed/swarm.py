@@ -4,6 +4,9 @@ Each server listens on its host's loopback only, behind a delaying relay (netbed
 and announces the relay (`--announce-maddrs`): every byte to or from a server crosses the emulated link, with the
 delay and rate of that server's link, and bandwidth caps apply per host (tc tbf). Servers are real `swarmlm serve`
 processes; the client is built inside `swarm.client_side()` so that its DHT and p2pd live on host 0.
+
+A server behind NAT (Link(behind_nat=True)) gets no such relay: nothing on its host accepts connections from other
+hosts, and it is dialled through the bootstrap node's libp2p relay (`serve --relay`), which it connects to itself.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ class Link:
 
     delay_ms: float = 0.0  # one-way delay, added in each direction by the relay
     rate_mbit: float = 0.0  # the host's bandwidth in each direction (tc tbf; 0: unlimited)
+    behind_nat: bool = False  # the host accepts no inbound connections: reached through the bootstrap's relay
 
 
 class NetSwarm(LocalSwarm):
@@ -44,7 +48,7 @@ class NetSwarm(LocalSwarm):
             if client_rate_mbit > 0:
                 self.bed.set_rate(self.client_host, client_rate_mbit)
             with self.bed.inside(self.client_host):
-                super().__init__(model, bootstrap_host=self.client_host.address, **kwargs)
+                super().__init__(model, bootstrap_host=self.client_host.address, relay=True, **kwargs)
         except BaseException:
             self.bed.close()
             raise
@@ -84,6 +88,8 @@ class NetSwarm(LocalSwarm):
         host, link = self.bed.hosts[self.hosts_used], self._next_link
         if link.rate_mbit > 0:
             self.bed.set_rate(host, link.rate_mbit)
+        if link.behind_nat:
+            return self._launch_behind_nat(host, link, args, **popen_kwargs)
         relay = self.bed.spawn(host, [
             sys.executable, "-m", "swarmlm.netbed.relay", "--listen", f"{host.address}:{SERVER_PORT}",
             "--to", f"127.0.0.1:{SERVER_PORT}", "--delay-ms", str(link.delay_ms),
@@ -94,6 +100,16 @@ class NetSwarm(LocalSwarm):
             host, [*args, "--port", str(SERVER_PORT), "--announce-maddrs", announce], **popen_kwargs
         )
         self.relays[process.pid], self.links[process.pid] = relay, link
+        return process
+
+    def _launch_behind_nat(self, host: Host, link: Link, args: list[str], **popen_kwargs: Any) -> subprocess.Popen:
+        """The server listens on its host's loopback only (no other host can connect to it) and keeps a reservation
+        on the bootstrap node's relay, through which it is dialled."""
+        if link.delay_ms > 0:
+            raise SwarmError("a link behind NAT has no delaying relay: its delay cannot be emulated")
+        process = self.bed.spawn(host, [*args, "--port", str(SERVER_PORT), "--relay", *self.initial_peers],
+                                 **popen_kwargs)  # fmt: skip
+        self.links[process.pid] = link
         return process
 
     def close(self) -> None:

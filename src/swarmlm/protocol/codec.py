@@ -3,6 +3,10 @@
 A message is one or more parts. The first part's metadata holds msgpack {"header": {...}, "n_tensors": k}; the k
 serialized tensors follow as chunks (each tensor's first chunk carries its dtype, shape and chunk count), spread
 over parts of bounded size, so tensors of any size pass the transport's per-message cap.
+
+In a message whose header says int8, every float tensor travels in 8-bit form (protocol/int8.py): its int8 values,
+then its float32 scales as one more serialized tensor; readers return it dequantized to float32. n_tensors counts
+tensors as the header names them, not the scales.
 """
 
 from __future__ import annotations
@@ -18,12 +22,13 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from swarmlm.errors import ProtocolError
+from swarmlm.protocol.int8 import dequantize_rows, quantizable, quantize_rows
 from swarmlm.protocol.messages import _Header, parse_header
 
 # Parts stay well below the transport's 4 MiB per-message cap.
 CHUNK_BYTES = 1 << 20
 # dtypes that may travel; anything else is refused before deserialization.
-WIRE_DTYPES = {"float32", "float16", "bfloat16", "int64", "int32", "bool"}
+WIRE_DTYPES = {"float32", "float16", "bfloat16", "int64", "int32", "int8", "bool"}
 # A header larger than this is malformed, whatever it says.
 MAX_METADATA_BYTES = 64 << 10
 # More tensors than any request kind uses: the rest is malformed.
@@ -35,15 +40,20 @@ MIN_CHUNK_BYTES = 1 << 16
 # Only uncompressed tensors are read: compressed ones expand before they could be checked (our senders never compress).
 WIRE_COMPRESSION = {runtime_pb2.CompressionType.NONE}
 # bytes per value on the wire (bfloat16 travels as 2 bytes, or as float32 from hivemind's legacy mode)
-_WIRE_ITEM_BYTES = {"float32": (4,), "float16": (2,), "bfloat16": (2, 4), "int64": (8,), "int32": (4,), "bool": (1,)}
+_WIRE_ITEM_BYTES = {
+    "float32": (4,), "float16": (2,), "bfloat16": (2, 4), "int64": (8,), "int32": (4,), "int8": (1,), "bool": (1,)
+}  # fmt: skip
 
 H = TypeVar("H", bound=_Header)
 Part: TypeAlias = runtime_pb2.ExpertRequest | runtime_pb2.ExpertResponse
 
 
 def encode(header: _Header, tensors: Sequence[torch.Tensor], part_type: type[Part]) -> Iterator[Part]:
-    """Yield the parts of one message; tensors are moved to CPU and sent uncompressed."""
+    """Yield the parts of one message; tensors are moved to CPU and sent uncompressed (in 8-bit form if the header
+    says int8)."""
     metadata = msgpack.packb({"header": header.model_dump(), "n_tensors": len(tensors)})
+    if is_int8(header):
+        tensors = [part for t in tensors for part in (quantize_rows(t) if quantizable(t) else (t,))]
     chunks = [chunk for tensor in tensors for chunk in _split(tensor)]
     first = part_type(metadata=metadata)
     if not chunks:
@@ -53,6 +63,11 @@ def encode(header: _Header, tensors: Sequence[torch.Tensor], part_type: type[Par
     yield first
     for chunk in chunks[1:]:
         yield part_type(tensors=[chunk])
+
+
+def is_int8(header: _Header) -> bool:
+    """Whether the message's float tensors travel in 8-bit form (a field of tensor-carrying headers and replies)."""
+    return bool(getattr(header, "int8", False))
 
 
 def _split(tensor: torch.Tensor) -> list[runtime_pb2.Tensor]:
@@ -81,7 +96,7 @@ async def read_message(
     if not isinstance(meta, dict) or set(meta) != {"header", "n_tensors"} or not isinstance(meta["n_tensors"], int):
         raise ProtocolError("message metadata must be {'header': ..., 'n_tensors': int}")
     header = parse_header(meta["header"], header_type)
-    tensors = await _read_tensors(first, parts, meta["n_tensors"], max_bytes)
+    tensors = await _read_tensors(first, parts, meta["n_tensors"], max_bytes, is_int8(header))
     return header, tensors
 
 
@@ -110,7 +125,9 @@ async def drain(parts: AsyncIterator[Part], max_bytes: int) -> None:
             return
 
 
-async def _read_tensors(first: Part, parts: AsyncIterator[Part], n_tensors: int, max_bytes: int) -> list[torch.Tensor]:
+async def _read_tensors(
+    first: Part, parts: AsyncIterator[Part], n_tensors: int, max_bytes: int, int8: bool
+) -> list[torch.Tensor]:
     if not 0 <= n_tensors <= MAX_TENSORS:
         raise ProtocolError(f"a message carries 0..{MAX_TENSORS} tensors, not {n_tensors}")
     _check_part(first)
@@ -132,8 +149,11 @@ async def _read_tensors(first: Part, parts: AsyncIterator[Part], n_tensors: int,
             if received > max_bytes:
                 raise ProtocolError(f"message carries more than {max_bytes} bytes of tensors")
 
-    tensors, used, declared_total = [], 0, 0
-    for index in range(n_tensors):
+    used, declared_total = 0, 0
+
+    async def next_tensor(index: int) -> torch.Tensor:
+        # the next serialized tensor, checked against its declared size before it is decoded
+        nonlocal used, declared_total
         await ensure(used + 1)
         head = chunks[used]
         declared = _declared_bytes(head, index)
@@ -148,8 +168,17 @@ async def _read_tensors(first: Part, parts: AsyncIterator[Part], n_tensors: int,
             raise ProtocolError(f"tensor {index}: only its first chunk may say how it is compressed")
         if sum(len(chunk.buffer) for chunk in body) not in _wire_sizes(head):
             raise ProtocolError(f"tensor {index} cannot be decoded: its buffer does not match its shape and dtype")
-        tensors.append(_deserialize(body, index))
         used += head.chunks
+        return _deserialize(body, index)
+
+    tensors = []
+    for index in range(n_tensors):
+        tensor = await next_tensor(index)
+        if tensor.dtype == torch.int8:  # 8-bit values: their scales follow
+            if not int8:
+                raise ProtocolError(f"tensor {index}: int8 tensors travel only in messages whose header says int8")
+            tensor = dequantize_rows(tensor, await next_tensor(index), index)
+        tensors.append(tensor)
     if len(chunks) != used:
         raise ProtocolError(f"message carries more tensor chunks than its {n_tensors} tensors")
     return tensors

@@ -11,7 +11,7 @@ from swarmlm.protocol.bundle import TensorName, check_names
 from swarmlm.protocol.lora import LoraSpec
 
 # Bumped on any incompatible change of a header or of the tensors that follow it.
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 # a LoRA adapter's name in requests and records (models/adapters.py names adapters by their folder)
 ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 
@@ -35,6 +35,7 @@ class _TensorsHeader(_Header):
     ALLOWED: ClassVar[tuple[str, ...]] = ("hidden",)
 
     tensors: list[TensorName] = Field(default_factory=_hidden_only, strict=False)
+    int8: bool = False  # float tensors travel as int8 with per-row scales (protocol/int8.py); replies do the same
 
     @field_validator("tensors")
     @classmethod
@@ -162,6 +163,7 @@ class ReplyHeader(_Header):
     error: str | None = None
     error_kind: Literal["bad_request", "server", "busy", "too_large"] | None = None
     compute_ms: float = 0.0
+    int8: bool = False  # its float tensors travel as int8 with per-row scales (as the request's did)
     push_error: str | None = None  # a step with next_hops ran, but pushing it on failed (the client takes over)
 
 

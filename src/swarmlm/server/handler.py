@@ -113,7 +113,7 @@ class SpanHandler:
                 )
             finally:
                 self.in_flight -= 1
-            reply = ReplyHeader(ok=True, compute_ms=compute_ms)
+            reply = ReplyHeader(ok=True, compute_ms=compute_ms, int8=header.int8)  # answered as it was sent
             self.served += 1
             tokens = inputs.hidden.shape[0] * inputs.hidden.shape[1]
             logger.info(

@@ -143,7 +143,7 @@ class InferenceSessions:
         if inbox.full():
             return ReplyHeader(ok=False, error="server busy: the session has steps waiting", error_kind="busy")
         step = InferenceStep(tensors=header.tensors, start_from_position=header.start_from_position,
-                             next_hops=header.next_hops)  # fmt: skip
+                             next_hops=header.next_hops, int8=header.int8)  # fmt: skip
         inbox.put_nowait((step, tensors))
         self.pushes_received += 1
         return ReplyHeader(ok=True)
@@ -160,7 +160,7 @@ class InferenceSessions:
         pushed_to.add(hop.session_id)
         pushed = SpanTensors(outputs[0], attention_mask=inputs.attention_mask, position_ids=inputs.position_ids)
         message = PushStep(tensors=pushed.names(), session_id=hop.session_id,
-                           start_from_position=hop.start_from_position, next_hops=rest)  # fmt: skip
+                           start_from_position=hop.start_from_position, next_hops=rest, int8=header.int8)  # fmt: skip
         return await self.pusher(hop, message, pushed.tensors())
 
     async def _steps(
@@ -234,7 +234,7 @@ class InferenceSessions:
                         session.start_block, session.end_block, inputs.hidden.shape[0] * inputs.hidden.shape[1],
                         past, peer, (time.perf_counter() - began) * 1000,
                         f" push failed: {push_error}" if push_error else "")  # fmt: skip
-            reply = ReplyHeader(ok=True, compute_ms=compute_ms, push_error=push_error)
+            reply = ReplyHeader(ok=True, compute_ms=compute_ms, push_error=push_error, int8=header.int8)
             for part in encode(reply, outputs, runtime_pb2.ExpertResponse):
                 yield part
 

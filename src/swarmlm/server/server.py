@@ -37,7 +37,7 @@ from swarmlm.server.push import Pusher
 from swarmlm.server.transport import StreamLimits
 from swarmlm.server.validation import max_message_bytes
 from swarmlm.swarm.catalog import CatalogEntry, announce_entry
-from swarmlm.swarm.dht import check_announce_maddrs, start_dht, visible_maddrs
+from swarmlm.swarm.dht import check_announce_maddrs, check_relay_maddrs, relay_circuit, start_dht, visible_maddrs
 from swarmlm.swarm.keyfile import load_or_create_identity
 from swarmlm.swarm.private import blind_prefix
 from swarmlm.swarm.records import ServerRecord, ServerState, announce, fetch_servers
@@ -57,6 +57,7 @@ class Server:
         if not config.new_swarm and not config.initial_peers:
             raise SwarmError("give --initial-peers to join a swarm, or --new-swarm to start one")
         check_announce_maddrs(config.announce_maddrs)
+        check_relay_maddrs(config.relays)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.dht_prefix = config.dht_prefix or default_dht_prefix(config.model)
@@ -102,6 +103,9 @@ class Server:
             key=key,
             announce_maddrs=cfg.announce_maddrs,
             swarm_key=cfg.swarm_key,
+            relays=cfg.relays,
+            # reached only through relays: no other peer could ask this node for DHT records
+            client_mode=bool(cfg.relays),
         )
         try:
             asyncio.run(self._serve())
@@ -206,7 +210,8 @@ class Server:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         p2p = await self.dht.replicate_p2p()
-        self.peer_id, self.addrs = p2p.peer_id.to_base58(), visible_maddrs(self.dht)
+        self.peer_id = p2p.peer_id.to_base58()
+        self.addrs = self._addresses(visible_maddrs(self.dht))
         await self._join()
         handler = await self._start_handler(p2p)
         self.since = self.since or get_dht_time()
@@ -224,6 +229,12 @@ class Server:
         await service.unregister(p2p)
         await p2p.shutdown()
         sys.stdout.flush()
+
+    def _addresses(self, visible: list[str]) -> list[str]:
+        """The addresses announced in the record: with relays, first the relayed ones (p2pd lists them only once its
+        reservation is made, and only for relays with public addresses)."""
+        relayed = [f"{relay_circuit(relay)}/p2p/{self.peer_id}" for relay in self.config.relays]
+        return list(dict.fromkeys([*relayed, *visible]))
 
     async def _join(self) -> None:
         """Claim a span (with --num-blocks) and load it."""

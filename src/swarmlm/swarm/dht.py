@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import hivemind
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 from swarmlm.errors import SwarmError
@@ -26,9 +27,29 @@ class ParentBoundDHT(hivemind.DHT):
     hivemind's DHT child and its p2pd survive a SIGTERM/SIGKILL of the parent; this one does not.
     """
 
+    _bound_parent_pid: int
+    _static_relays: bool = False
+
     def run(self) -> None:  # runs in the forked child
         kill_group_when_orphaned(self._bound_parent_pid)
+        if self._static_relays:
+            _use_only_static_relays()
         super().run()
+
+
+def _use_only_static_relays() -> None:
+    """Make this process's p2pd reserve a slot on its trusted relays at once (called in the DHT's own child).
+
+    hivemind 1.1.12 always starts p2pd with relay discovery, and p2pd then waits for 4 relay candidates or 3 minutes
+    before it reserves a slot anywhere; with discovery off, the trusted relays are its static relays and it reserves
+    on them immediately. hivemind has no option for this flag, so the child's P2P gets it added to its arguments.
+    """
+    make_args = P2P._make_process_args
+
+    def with_static_relays(*args: object, **kwargs: object) -> list[str]:
+        return make_args(*args, **({**kwargs, "relayDiscovery": False} if kwargs.get("autoRelay") else kwargs))
+
+    P2P._make_process_args = staticmethod(with_static_relays)
 
 
 def is_loopback_maddr(maddr: str) -> bool:
@@ -49,6 +70,8 @@ def start_dht(
     key: Ed25519PrivateKey | None = None,
     announce_maddrs: Sequence[str] = (),
     nat_traversal: bool | None = None,
+    relays: Sequence[str] = (),
+    relay_service: bool = False,
 ) -> ParentBoundDHT:
     """Start a DHT node; on a loopback host (or with nat_traversal=False) the NAT traversal and relay machinery of
     p2pd is turned off.
@@ -57,12 +80,23 @@ def start_dht(
     only the owner of a peer id may write that peer id's entry (see swarm/identity.py). With swarm_key, it also
     stores and accepts only records encrypted with that key (see swarm/private.py). announce_maddrs: the addresses
     others should dial instead of the listening ones (a port forward, a proxy in front of this node).
+
+    relays: full multiaddrs (.../p2p/<peer id>) of relay nodes for a node that accepts no inbound connections (behind
+    NAT or a firewall): it keeps a reservation on each and is dialled through them (relay_circuit), in addition to
+    announce_maddrs. relay_service: this node relays for such nodes (it must itself be reachable by everyone).
     """
     ip = "ip6" if ":" in host else "ip4"
     kwargs: dict[str, object] = {}
     traversal = not _is_loopback_host(host) if nat_traversal is None else nat_traversal
     if not traversal:
         kwargs = dict(nat_port_map=False, auto_nat=False, use_relay=False, use_auto_relay=False)
+    if relay_service:
+        # p2pd serves relay reservations only while it believes itself publicly reachable
+        kwargs.update(use_relay=True, force_reachability="public")
+    if relays:
+        check_relay_maddrs(relays)
+        kwargs.update(use_relay=True, use_auto_relay=True, trusted_relays=list(relays), force_reachability="private")
+        announce_maddrs = [*announce_maddrs, *(relay_circuit(relay) for relay in relays)]
     if announce_maddrs:
         kwargs["announce_maddrs"] = list(announce_maddrs)
     key = key or Ed25519PrivateKey.generate()
@@ -80,6 +114,7 @@ def start_dht(
             **kwargs,
         )
         dht._bound_parent_pid = os.getpid()
+        dht._static_relays = bool(relays)
         dht.run_in_background(await_ready=True)
     finally:
         # p2pd has read the key once it runs; the key stays only in this process and the DHT's
@@ -87,17 +122,68 @@ def start_dht(
     return dht
 
 
-def check_announce_maddrs(maddrs: Sequence[str]) -> None:
+def check_announce_maddrs(maddrs: Sequence[str], flag: str = "--announce-maddrs") -> None:
     """Raise SwarmError unless every address is a multiaddr with an explicit TCP or UDP port."""
     for maddr in maddrs:
         try:
             parsed = Multiaddr(maddr)
         except Exception as e:  # noqa: BLE001 - the multiaddr parser raises assorted types for malformed text
-            raise SwarmError(f"--announce-maddrs: {maddr!r} is not a multiaddr: {e}") from e
+            raise SwarmError(f"{flag}: {maddr!r} is not a multiaddr: {e}") from e
         protocols = {p.name for p in parsed.protocols()}
         port = next((parsed.value_for_protocol(p) for p in ("tcp", "udp") if p in protocols), None)
         if port in (None, "0"):
-            raise SwarmError(f"--announce-maddrs: {maddr!r} needs an explicit port, as in /ip4/203.0.113.7/tcp/31337")
+            raise SwarmError(f"{flag}: {maddr!r} needs an explicit port, as in /ip4/203.0.113.7/tcp/31337")
+
+
+def check_relay_maddrs(maddrs: Sequence[str]) -> None:
+    """Raise SwarmError unless every relay address has an explicit port and ends with the relay's /p2p/<peer id>."""
+    for maddr in maddrs:
+        head, _, peer = str(maddr).rpartition("/p2p/")
+        if not head or "/" in peer or "p2p-circuit" in head:
+            raise SwarmError(f"--relay: {maddr!r} must end with the relay's peer id, as in "
+                             "/ip4/203.0.113.7/tcp/31337/p2p/12D3KooW...")  # fmt: skip
+        check_announce_maddrs([maddr], "--relay")  # also rejects a malformed peer id
+
+
+def relay_circuit(relay: str) -> str:
+    """The address through which a node holding a reservation on `relay` is dialled (append /p2p/<its peer id>)."""
+    return f"{relay}/p2p-circuit"
+
+
+# multiaddr protocol codes (github.com/multiformats/multiaddr, protocols.csv)
+_P2P_CODE = 421
+_CIRCUIT_CODE = 290
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def daemon_maddr(maddr: str) -> Multiaddr:
+    """A multiaddr as p2pd reads it, for dialling: transport parts as they are, /p2p/<id> parts as the raw peer id.
+
+    hivemind's Multiaddr encodes a /p2p/ part as a CID, which p2pd rejects ("length greater than remaining number of
+    bytes"); relayed addresses (.../p2p/<relay>/p2p-circuit) need that part, so they are encoded here by hand. A
+    trailing /p2p/<id> (the dialled peer itself) is dropped: p2pd takes the peer id separately.
+    """
+    parts = str(maddr).split("/p2p/")
+    if len(parts) > 1 and "/" not in parts[-1]:
+        parts[-2:] = [parts[-2]]  # the peer's own id
+    encoded = bytearray(Multiaddr(parts[0]).to_bytes()) if parts[0] else bytearray()
+    for part in parts[1:]:
+        peer, _, rest = part.partition("/")
+        peer_bytes = PeerID.from_base58(peer).to_bytes()
+        encoded += _varint(_P2P_CODE) + _varint(len(peer_bytes)) + peer_bytes
+        if rest == "p2p-circuit":
+            encoded += _varint(_CIRCUIT_CODE)
+        elif rest:
+            encoded += Multiaddr("/" + rest).to_bytes()
+    return Multiaddr(bytes(encoded))
 
 
 def _is_loopback_host(host: str) -> bool:
