@@ -110,3 +110,16 @@ def test_malformed_int8_payloads_are_refused_with_a_reason(case: str) -> None:
     parts, reason = MALFORMED[case]
     with pytest.raises(ProtocolError, match=reason.replace("(", r"\(").replace(")", r"\)")):
         roundtrip(parts)
+
+
+def test_lora_weights_travel_exactly_under_every_wire() -> None:
+    # parameters, not activations: a LoRA's flat weights (and gradients) pass a lossy wire bit for bit
+    hidden, lora = torch.randn(1, 4, HIDDEN), torch.cat([torch.randn(1000), torch.randn(1000) * 1e-4])
+    header = ForwardRequest(start_block=0, end_block=1, tensors=["hidden", "lora"], int8=True)
+    _, (got_hidden, got_lora) = roundtrip(list(encode(header, [hidden, lora], runtime_pb2.ExpertRequest)))
+    assert torch.equal(got_lora, lora) and not torch.equal(got_hidden, hidden)
+    for wire in ("bfloat16", "float16"):
+        sent_hidden, sent_lora = to_wire([hidden, lora], wire_dtype_of(wire))
+        assert sent_hidden.dtype == wire_dtype_of(wire) and sent_lora is lora
+        assert on_wire([torch.float32, torch.float32], wire_dtype_of(wire), [3, 1]) == [wire_dtype_of(wire),
+                                                                                      torch.float32]  # fmt: skip

@@ -136,7 +136,7 @@ async def call_span(
 
 def expected_on_wire(expected: Sequence[Expected], wire: torch.dtype) -> list[Expected]:
     """What a reply carries on the wire when the request's float32 tensors travelled as `wire` (client/wire.py)."""
-    dtypes = on_wire([e.dtype for e in expected], wire)
+    dtypes = on_wire([e.dtype for e in expected], wire, [len(e.shape) for e in expected])
     return [Expected(e.shape, dtype) for e, dtype in zip(expected, dtypes, strict=True)]
 
 

@@ -6,8 +6,9 @@ dtype and answers in the dtype it was sent (server.backend), and the client wide
 int8 quarters them: the request's header says int8, and the codec sends every float tensor as int8 values with one
 float32 scale per row of its last dimension (protocol/int8.py); the server reads them back as float32 and answers
 the same way (also when it pushes a step on), and the client reads the reply as float32.
-Integer tensors (masks, positions, hypo ids) and, under 16-bit wires, tensors already narrower than float32 travel
-unchanged.
+Integer tensors (masks, positions, hypo ids), under 16-bit wires tensors already narrower than float32, and under
+every wire one-dimensional tensors (a LoRA's flat weights and their gradients: parameters, not activations, which a
+lossy wire would corrupt) travel unchanged.
 """
 
 from __future__ import annotations
@@ -44,15 +45,25 @@ def marked(header: H, wire: torch.dtype) -> H:
     return header.model_copy(update={"int8": True})
 
 
+def compressible(tensor_dim: int) -> bool:
+    """Whether a tensor of this many dimensions travels compressed: activations (batch, ...) do, 1-D LoRA weights
+    and gradients do not (protocol/int8.py applies the same rule)."""
+    return tensor_dim >= 2
+
+
 def to_wire(tensors: Sequence[torch.Tensor], wire: torch.dtype) -> list[torch.Tensor]:
-    """The tensors as they travel: float32 ones rounded to a 16-bit `wire` (the same objects for float32 and int8,
-    whose quantization the codec does)."""
-    return [t.to(_narrowed(t.dtype, wire)) if wire in (torch.bfloat16, torch.float16) else t for t in tensors]
+    """The tensors as they travel: float32 activations rounded to a 16-bit `wire` (the same objects for float32 and
+    int8, whose quantization the codec does)."""
+    if wire not in (torch.bfloat16, torch.float16):
+        return list(tensors)
+    return [t.to(_narrowed(t.dtype, wire)) if compressible(t.dim()) else t for t in tensors]
 
 
-def on_wire(dtypes: Sequence[torch.dtype], wire: torch.dtype) -> list[torch.dtype]:
-    """The dtypes a reply carries, as read, for replies of `dtypes` (the server answers in what it was sent)."""
-    return [_narrowed(dtype, wire) for dtype in dtypes]
+def on_wire(dtypes: Sequence[torch.dtype], wire: torch.dtype, dims: Sequence[int] | None = None) -> list[torch.dtype]:
+    """The dtypes a reply carries, as read, for replies of `dtypes` with `dims` dimensions (default: activations;
+    the server answers in what it was sent)."""
+    dims = [2] * len(dtypes) if dims is None else dims
+    return [_narrowed(dtype, wire) if compressible(dim) else dtype for dtype, dim in zip(dtypes, dims, strict=True)]
 
 
 def from_wire(tensors: Sequence[torch.Tensor], dtypes: Sequence[torch.dtype]) -> list[torch.Tensor]:

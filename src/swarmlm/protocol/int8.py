@@ -18,8 +18,9 @@ MAX_SCALE = torch.finfo(torch.float32).max / QMAX
 
 
 def quantizable(tensor: torch.Tensor) -> bool:
-    """Whether a tensor travels in 8-bit form in an int8 message: float tensors with at least one dimension."""
-    return tensor.is_floating_point() and tensor.dim() >= 1
+    """Whether a tensor travels in 8-bit form in an int8 message: float tensors with rows (activations, prompts);
+    1-D ones (a LoRA's flat weights and their gradients: parameters, which one scale for all would corrupt) do not."""
+    return tensor.is_floating_point() and tensor.dim() >= 2
 
 
 def quantize_rows(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
