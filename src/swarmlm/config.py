@@ -30,6 +30,7 @@ class ServerConfig:
     cache_tokens: int | None = None  # KV-cache budget in tokens (batch * max_length summed over sessions)
     alloc_timeout_s: float = 5.0  # how long a session waits for cache room before "server busy"
     session_idle_timeout_s: float = 300.0  # an inference session without steps for this long is closed
+    decode_wait_s: float = 0.1  # a decode batch waits up to this long for steps of other recently active sessions
     inference_chunk_tokens: int = 1024  # long prompts are run through the blocks this many tokens at a time
     peer_memory_mb: float | None = None  # MB of requests one peer may have buffered (default: 4 maximal requests)
     max_sessions_per_peer: int = 16  # inference sessions one peer may hold open

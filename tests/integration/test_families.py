@@ -1,5 +1,6 @@
 """Every supported family served by real `swarmlm serve` processes equals its local Hugging Face model: logits,
-greedy generation token for token, deep prompt tuning gradients, and generation across a server killed mid-way."""
+greedy generation token for token, deep prompt tuning gradients, LoRA gradients (against local PEFT), and generation
+across a server killed mid-way."""
 
 from __future__ import annotations
 
@@ -10,14 +11,19 @@ import pytest
 import torch
 
 from swarmlm.local_swarm import LocalSwarm
+from swarmlm.models.loading import load_config
 from tests.conftest import LOGITS_ATOL, connected_model, load_reference, running_swarm
-from tests.integration.test_backward_tiny import assert_close, gradients
+from tests.integration.test_backward_tiny import CHECKS_OFF, assert_close, gradients
+from tests.integration.test_lora_training import loss_and_grads
 from tests.tiny_families import FAMILIES, WINDOW, build_tiny
 
 # blocks 2:4 have two servers: one of them dies in the failover test, the other takes over
 SPANS = [(0, 2), (2, 4), (2, 4)]
 PRE_SEQ_LEN = 3
 NEW_TOKENS = 3 * WINDOW  # generation runs well past the sliding window
+# LoRA targets per family: Phi-3 fuses its attention projections (and its MLP's gate and up) into one Linear each
+LORA_TARGETS = {"phi3": ("qkv_proj", "down_proj")}
+DEFAULT_LORA_TARGETS = ("q_proj", "v_proj", "o_proj")
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -74,6 +80,27 @@ def test_deep_prompt_tuning_gradients_equal_local(family_dir, swarm, reference) 
             tuned.prompt_tuning.deep_prompts.normal_(std=0.5)
         remote, local = gradients(tuned, reference, ids, weights)
     for actual, expected in zip(remote, local, strict=True):
+        assert_close(actual, expected)
+
+
+def test_lora_gradients_equal_local_peft(family_dir, swarm) -> None:
+    from peft import LoraConfig, get_peft_model
+
+    targets = LORA_TARGETS.get(load_config(family_dir).model_type, DEFAULT_LORA_TARGETS)
+    ids = random_ids(2, WINDOW + 3, seed=5)
+    labels = ids.clone()
+    labels[0, :3] = -100
+    options = dict(tuning_mode="lora", lora_rank=4, lora_alpha=8, lora_target_modules=targets)
+    with connected_model(family_dir, swarm, **options, **CHECKS_OFF) as tuned:
+        torch.manual_seed(0)
+        with torch.no_grad():  # PEFT starts B at zero, which would leave A without gradients
+            for b in tuned.lora_tuning.lora_B:
+                b.normal_(std=0.2)
+        config = LoraConfig(r=4, lora_alpha=8, target_modules=list(targets), lora_dropout=0.0)
+        peft = get_peft_model(load_reference(family_dir), config).eval()
+        remote, local = loss_and_grads(tuned, peft, ids, labels)
+    assert abs(remote[0].item() - local[0].item()) <= 1e-5 * abs(local[0].item())
+    for actual, expected in zip(remote[1:], local[1:], strict=True):
         assert_close(actual, expected)
 
 

@@ -202,3 +202,53 @@ def test_a_caller_that_gives_up_stops_its_long_request() -> None:
         assert await scheduler.submit(Kind.FORWARD, "y", lambda: 7) == 7
 
     asyncio.run(main())
+
+
+
+def rhythmic_sessions(
+    limits: BatchLimits, offsets_s: list[float], intervals_s: list[float], steps: int, forget_after: int | None = None
+) -> tuple[list[int], list[list[float]]]:
+    """Sessions stepping every intervals_s[i], each starting at its offset; the sizes of the forwards that ran more
+    than one session and each session's per-step latency (queued to answered). With forget_after, session 1 ends
+    after that many steps."""
+    batches: list[int] = []
+
+    def run_decodes(steps: list[DecodeStep]) -> list[int]:
+        batches.append(len(steps))
+        return [0] * len(steps)
+
+    async def session(scheduler: Scheduler, index: int) -> list[float]:
+        cache, latencies, loop = DynamicCache(), [], asyncio.get_running_loop()
+        await asyncio.sleep(offsets_s[index])
+        for _ in range(forget_after if index == 1 and forget_after is not None else steps):
+            began = loop.time()
+            await scheduler.submit(Kind.INFERENCE, f"peer{index}", lambda: 0, decode(cache=cache))
+            latencies.append(loop.time() - began)
+            await asyncio.sleep(intervals_s[index])
+        scheduler.forget(cache)
+        return latencies
+
+    async def main() -> list[list[float]]:
+        scheduler = Scheduler(ThreadPoolExecutor(1), run_decodes, limits)
+        return await asyncio.gather(*(session(scheduler, i) for i in range(len(offsets_s))))
+
+    return batches, asyncio.run(main())
+
+
+def test_sessions_due_soon_are_waited_for_and_fall_into_step() -> None:
+    # two sessions 40 ms out of phase: without waiting they never meet; with a 100 ms wait they soon share forwards
+    apart, _ = rhythmic_sessions(BatchLimits(decode_wait_s=0.0), [0.0, 0.04], [0.1, 0.1], steps=8)
+    assert apart == []
+    together, latencies = rhythmic_sessions(BatchLimits(decode_wait_s=0.1), [0.0, 0.04], [0.1, 0.1], steps=8)
+    assert together.count(2) >= 4
+    assert max(max(session) for session in latencies) < 0.1 + 0.05  # no step waits much beyond the limit
+
+
+def test_a_session_not_due_soon_and_an_ended_one_are_never_waited_for() -> None:
+    # session 1 steps every 0.3 s (a far client): session 0, stepping every 20 ms, does not wait for it
+    _, latencies = rhythmic_sessions(BatchLimits(decode_wait_s=0.1), [0.0, 0.005], [0.02, 0.3], steps=10)
+    assert sorted(latencies[0])[len(latencies[0]) // 2] < 0.02
+    # a session that ended is not waited for either, though it stepped in rhythm until then
+    _, latencies = rhythmic_sessions(BatchLimits(decode_wait_s=0.1), [0.0, 0.01], [0.05, 0.05], steps=10,
+                                     forget_after=3)  # fmt: skip
+    assert sorted(latencies[0])[-3] < 0.02

@@ -115,6 +115,9 @@ class FailingBackend:
             cache.update(torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 1, 4), 0)
         raise RuntimeError("boom " + "x" * 5000)
 
+    def session_ended(self, cache) -> None:  # noqa: ANN001
+        pass
+
 
 def session_replies(touch_cache: bool) -> list[ReplyHeader]:
     async def scenario() -> list[ReplyHeader]:

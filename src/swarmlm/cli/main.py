@@ -72,6 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--session-idle-timeout", type=float, default=ServerConfig.session_idle_timeout_s)
     serve.add_argument(
+        "--decode-wait-ms",
+        type=float,
+        default=ServerConfig.decode_wait_s * 1000,
+        help="longest a decode step waits for the steps of other recently active sessions, to share one forward "
+        "with them (0: never wait)",
+    )
+    serve.add_argument(
         "--peer-memory-mb",
         type=float,
         default=None,
@@ -248,6 +255,7 @@ def _serve(args: argparse.Namespace) -> None:
         cache_tokens=args.cache_tokens,
         alloc_timeout_s=args.alloc_timeout,
         session_idle_timeout_s=args.session_idle_timeout,
+        decode_wait_s=args.decode_wait_ms / 1000,
         peer_memory_mb=args.peer_memory_mb,
         max_sessions_per_peer=args.max_sessions_per_peer,
         max_sessions=args.max_sessions,

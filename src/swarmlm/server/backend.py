@@ -167,6 +167,10 @@ class SpanBackend:
         result: tuple[list[torch.Tensor], float] = await self.scheduler.submit(Kind.INFERENCE, peer, run, decode)
         return result
 
+    def session_ended(self, cache: DynamicCache) -> None:
+        """The session owning `cache` is over: no decode batch waits for its steps any more."""
+        self.scheduler.forget(cache)
+
     def _decode_batch(self, steps: list[DecodeStep]) -> list[tuple[list[torch.Tensor], float]]:
         """One-token steps of several sessions over the same blocks, as one forward (on the compute thread)."""
         began = time.perf_counter()

@@ -174,6 +174,7 @@ class InferenceSessions:
             async for part in self._run_steps(reader, session, peer, inbox, cache, pushed_to, held):
                 yield part
         finally:
+            self.backend.session_ended(cache)
             await reader.cancel()
             if self.pusher is not None:
                 for session_id in pushed_to:

@@ -62,6 +62,7 @@ class Task:
     # quantum, so more urgent work (inference steps) and other peers' turns run in between; its return is the result
     quanta: Generator[None, None, Any] | None = field(default=None, repr=False)
     members: list[Task] | None = field(default=None, repr=False)  # of a joined task: the requests it runs
+    arrived: float = 0.0  # time.monotonic() when it was queued
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,10 @@ class BatchLimits:
     max_rows: int = 64  # batch rows (sum of the sessions' batch sizes) in one batched decode step
     max_join_tokens: int = 2048  # batch x sequence tokens of forward (or backward) requests joined into one
     max_join_requests: int = 16  # requests joined into one forward (or backward)
+    # a decode batch missing steps of sessions that stepped recently (over the same blocks) waits at most this long
+    # for them: concurrent sessions fall into step and share forwards, which on a CPU cost little more than one
+    decode_wait_s: float = 0.1
+    active_s: float = 1.0  # a session that sent a decode step this recently is expected to send the next one
 
 
 def next_batch(queue: Sequence[Task], limits: BatchLimits, last_served: Mapping[str, int]) -> list[Task]:
@@ -134,6 +139,35 @@ def _joined(head: Task, others: Sequence[Task], limits: BatchLimits) -> list[Tas
     return batch
 
 
+# a batch waiting for a due session's step waits this much past the step's expected time (jitter)
+_DUE_SLACK_S = 0.005
+
+
+@dataclass(eq=False)
+class _Rhythm:
+    """When a session's decode steps arrive: the last one, and the smoothed interval between them."""
+
+    key: tuple[int, int, str | None]  # its blocks and adapter: only steps with the same key share forwards
+    last_s: float
+    interval_s: float | None = None
+
+    def arrived(self, now: float) -> None:
+        gap = now - self.last_s
+        self.interval_s = gap if self.interval_s is None else 0.7 * self.interval_s + 0.3 * gap
+        self.last_s = now
+
+    @property
+    def next_s(self) -> float:
+        return self.last_s + (self.interval_s or 0.0)
+
+    def expected(self, now: float, by: float, active_s: float) -> bool:
+        """Whether its next step is due by `by` and not overdue yet (it stepped within active_s and keeps a known
+        rhythm): a session late beyond a little jitter is not waited for."""
+        if self.interval_s is None or now - self.last_s > active_s:
+            return False
+        return now < self.next_s + _DUE_SLACK_S and self.next_s <= by
+
+
 # what _advance returns when a long task has run one quantum and has more to run
 _UNFINISHED: Any = object()
 
@@ -161,6 +195,8 @@ class Scheduler:
         self.joined_runs = 0  # forward/backward computations that ran requests of more than one caller
         self.joined_requests = 0  # requests that ran in those computations
         self.depth = DepthMeter()  # turns a new request waits for, averaged over time (announced in the record)
+        self._rhythms: dict[int, _Rhythm] = {}  # decode steps' timing of each session, by its cache's id
+        self._arrived = asyncio.Event()
 
     def queue_depth(self) -> float:
         """The averaged turns of the compute thread a request arriving now waits for (0: idle)."""
@@ -179,7 +215,11 @@ class Scheduler:
         self._arrivals += 1
         future: asyncio.Future[Any] = loop.create_future()
         task = Task(kind, peer, self._arrivals, run, decode, join if self.run_joined else None, future)
+        task.arrived = time.monotonic()
+        if decode is not None:
+            self._track(decode, task.arrived)
         self.queue.append(task)
+        self._arrived.set()
         self._measure()
         if self._runner is None or self._runner.done():
             # runs while there is work: what arrives meanwhile waits, and is batched when the thread is free
@@ -195,6 +235,8 @@ class Scheduler:
         loop = asyncio.get_running_loop()
         while self.queue:
             batch = next_batch(self.queue, self.limits, self.last_served)
+            if await self._wait_for_more(batch):
+                continue
             for task in batch:
                 self.queue.remove(task)
             batch = [task for task in batch if _wanted(task)]
@@ -220,6 +262,52 @@ class Scheduler:
             for task, result in zip(batch, results, strict=True):
                 if task.future is not None and not task.future.done():
                     task.future.set_result(result)
+
+    def forget(self, cache: DynamicCache) -> None:
+        """The session owning `cache` ended: no batch waits for its steps any more."""
+        self._rhythms.pop(id(cache), None)
+
+    def _track(self, step: DecodeStep, now: float) -> None:
+        """Note the arrival of a session's decode step (its rhythm predicts the next one)."""
+        rhythm = self._rhythms.get(id(step.cache))
+        if rhythm is None:
+            if len(self._rhythms) >= MAX_REMEMBERED_PEERS:  # bounded: the stalest go first
+                stalest = sorted(self._rhythms, key=lambda c: self._rhythms[c].last_s)
+                for cache_id in stalest[: len(stalest) // 2]:
+                    del self._rhythms[cache_id]
+            self._rhythms[id(step.cache)] = _Rhythm((step.start, step.end, step.adapter), now)
+        else:
+            rhythm.arrived(now)
+
+    async def _wait_for_more(self, batch: list[Task]) -> bool:
+        """Whether a decode batch waited for the steps of other sessions over the same blocks that are due within
+        the wait (they stepped recently and their next step is expected by then, from their own rhythm): one forward
+        for all costs little more than one for a few, so concurrent sessions fall into step and share forwards. A
+        session whose next step is not expected that soon (a slow link, a pause) is never waited for."""
+        head = batch[0].decode if batch else None
+        if head is None or self.limits.decode_wait_s <= 0 or len(batch) >= self.limits.max_sessions:
+            return False
+        if any(task.decode is None for task in self.queue):
+            return False  # other work waits too: run what is here
+        now = time.monotonic()
+        deadline = min(task.arrived for task in batch) + self.limits.decode_wait_s
+        if now >= deadline:
+            return False
+        present = {id(task.decode.cache) for task in batch if task.decode is not None}
+        key = (head.start, head.end, head.adapter)
+        due = [
+            rhythm.next_s
+            for cache_id, rhythm in self._rhythms.items()
+            if rhythm.key == key and cache_id not in present and rhythm.expected(now, deadline, self.limits.active_s)
+        ]
+        if not due:
+            return False
+        self._arrived.clear()
+        try:
+            await asyncio.wait_for(self._arrived.wait(), max(0.0, min(deadline, max(due) + _DUE_SLACK_S) - now))
+        except TimeoutError:
+            pass
+        return True
 
     def _merge(self, batch: list[Task], loop: asyncio.AbstractEventLoop) -> Task:
         """One task running the joined requests of `batch`; its result (a list, one per request) goes to theirs."""

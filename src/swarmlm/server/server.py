@@ -34,6 +34,7 @@ from swarmlm.server.membership import Members
 from swarmlm.server.peers import PeerLedger, PeerLimits
 from swarmlm.server.placement import Span, claimed_first, estimate_throughput, requested_span, should_move
 from swarmlm.server.push import Pusher
+from swarmlm.server.scheduler import BatchLimits
 from swarmlm.server.transport import StreamLimits
 from swarmlm.server.validation import max_message_bytes
 from swarmlm.swarm.catalog import CatalogEntry, announce_entry
@@ -57,6 +58,8 @@ class Server:
         if not config.new_swarm and not config.initial_peers:
             raise SwarmError("give --initial-peers to join a swarm, or --new-swarm to start one")
         check_announce_maddrs(config.announce_maddrs)
+        if config.decode_wait_s < 0:
+            raise SwarmError(f"--decode-wait-ms must be 0 or more, not {config.decode_wait_s * 1000:g}")
         check_relay_maddrs(config.relays)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -127,7 +130,8 @@ class Server:
             quantize(span.layers, cfg.quant)
             logger.info("Quantized blocks %d:%d to %s: %.2f MB per block (%.2f MB before)", start, end, cfg.quant,
                         module_bytes(span.layers) / (end - start) / 1e6, before / (end - start) / 1e6)  # fmt: skip
-        backend = SpanBackend(span, DTYPES[cfg.dtype], cfg.device, cfg.max_tokens_per_request)
+        limits = BatchLimits(decode_wait_s=cfg.decode_wait_s)
+        backend = SpanBackend(span, DTYPES[cfg.dtype], cfg.device, cfg.max_tokens_per_request, limits)
         self.throughput = backend.measure_throughput()
         self.inference_throughput = backend.measure_inference_throughput()
         self.backend, self.start, self.end = backend, start, end
