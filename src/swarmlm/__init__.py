@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 from swarmlm.errors import (
@@ -20,6 +21,18 @@ if TYPE_CHECKING:
     from swarmlm.config import ClientConfig, ServerConfig
 
 __version__ = "0.1.0"
+
+
+class _DropOptionalKernelNotice(logging.Filter):
+    """bitsandbytes (installed for `--quant nf4`; PEFT imports it whenever it is there) warns at import that an
+    optional fused kernel fetched from the Hugging Face Hub is missing. Only its own Linear4bit uses that kernel,
+    never this project's code, so the notice would only mislead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "kernels-community" not in record.getMessage()
+
+
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_DropOptionalKernelNotice())
 
 # heavy modules (torch, transformers, hivemind) load on first use, not on `import swarmlm`
 _LAZY = {

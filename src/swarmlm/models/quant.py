@@ -6,7 +6,6 @@ from fp32 and autograd wrt inputs still works (backward requests are served as u
 from __future__ import annotations
 
 import functools
-import logging
 import threading
 from collections.abc import Callable
 from types import ModuleType
@@ -47,26 +46,14 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
 
 
-class _DropOptionalKernelNotice(logging.Filter):
-    """bitsandbytes' CPU backend warns at import that an optional fused kernel (fetched from the Hugging Face Hub) is
-    missing; only its own Linear4bit uses that kernel, never Nf4Linear, so the warning would only mislead."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "kernels-community" not in record.getMessage()
-
-
 @functools.cache
 def bnb_functional() -> ModuleType:
     """bitsandbytes.functional, or a SwarmError saying how to install it (it is needed only for nf4)."""
-    notices = logging.getLogger("bitsandbytes.backends.cpu.ops")
-    quiet = _DropOptionalKernelNotice()
-    notices.addFilter(quiet)
+    # its import notice about an optional kernel is filtered out by swarmlm/__init__.py
     try:
         import bitsandbytes.functional as bnb_f
     except ImportError as e:
         raise SwarmError("--quant nf4 needs bitsandbytes: pip install 'swarmlm[nf4]'") from e
-    finally:
-        notices.removeFilter(quiet)
     return bnb_f
 
 
