@@ -19,6 +19,7 @@ from swarmlm.local_swarm import LocalServer
 from swarmlm.netbed import hosts
 from swarmlm.netbed.swarm import SERVER_PORT, Link, NetSwarm
 from tests.conftest import load_reference
+from tests.integration.test_push import local_greedy, pushes
 
 pytestmark = pytest.mark.skipif(hosts.unavailable() is not None, reason=str(hosts.unavailable()))
 
@@ -79,17 +80,6 @@ def test_servers_announce_the_address_of_their_link(swarm: NetSwarm, tiny_model_
             ]
     finally:
         model.close()
-
-
-def local_greedy(reference: torch.nn.Module, ids: torch.Tensor, new: int) -> list[int]:
-    with torch.inference_mode():
-        out = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                                 do_sample=False)  # fmt: skip
-    return out[0].tolist()
-
-
-def pushes(model: torch.nn.Module) -> int:
-    return sum(info.pushes_received for info in model.server_infos().values())
 
 
 def test_greedy_generation_over_50ms_links_equals_local(swarm: NetSwarm, tiny_model_dir: Path, reference) -> None:
