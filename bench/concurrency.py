@@ -135,6 +135,8 @@ def main() -> None:
     parser.add_argument("--train-tokens", type=int, default=2048, help="tokens of the competing forward/backward")
     parser.add_argument("--server-threads", type=int, default=None,
                         help="torch threads of each server (default: torch's choice)")  # fmt: skip
+    parser.add_argument("--decode-wait-ms", type=float, default=None,
+                        help="the servers' --decode-wait-ms (default: theirs; 0 turns the wait off)")  # fmt: skip
     args = parser.parse_args()
     model_dir = resolve_model(args.model)
     num_blocks = load_config(model_dir).num_hidden_layers
@@ -149,7 +151,8 @@ def main() -> None:
     local_rate = len(inputs) * args.new_tokens / (time.perf_counter() - began)
     del local
 
-    with LocalSwarm(str(model_dir), threads_per_server=args.server_threads) as swarm:
+    server_args = [] if args.decode_wait_ms is None else ["--decode-wait-ms", str(args.decode_wait_ms)]
+    with LocalSwarm(str(model_dir), threads_per_server=args.server_threads, extra_args=server_args) as swarm:
         swarm.start_servers(even_spans(num_blocks, 2))
         with AutoDistributedModelForCausalLM.from_pretrained(str(model_dir), initial_peers=swarm.initial_peers) as m:
             greedy(m, inputs[0], 4)  # warm-up: routes measured, connections open
