@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -22,7 +22,7 @@ class _Rows:
     hidden: torch.Tensor  # (..., hidden)
     result: torch.Tensor | None = None
     error: BaseException | None = None
-    done: bool = field(default=False)
+    done: bool = False
 
 
 class HeadBatcher:
