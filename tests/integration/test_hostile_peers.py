@@ -22,7 +22,15 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils.streaming import split_for_streaming
 
 from swarmlm.protocol.codec import CHUNK_BYTES, encode, read_message
-from swarmlm.protocol.messages import ForwardRequest, InferenceOpen, InferenceStep, ReplyHeader
+from swarmlm.protocol.messages import (
+    ForwardRequest,
+    InferenceOpen,
+    InferenceStep,
+    InfoRequest,
+    ReplyHeader,
+    ServerInfo,
+)
+from swarmlm.protocol.service import CLOSE_LINGER_S
 from tests.conftest import LOGITS_ATOL, connected_model, load_reference, running_swarm
 from tests.integration.test_bad_requests import RawClient
 
@@ -318,6 +326,35 @@ def test_a_peer_that_stops_reading_loses_its_session(swarm, seq: int, vanish: bo
 
 async def _close(writer: asyncio.StreamWriter) -> None:
     writer.transport.abort()  # at once, dropping what the server did not read
+
+
+def test_the_asker_closes_first_and_one_that_never_does_is_cut_off(swarm, raw: RawClient) -> None:
+    """After answering a request whose stream the asker had ended, the server waits for the asker to close: p2pd
+    can lose the tail of a reply on a stream its receiver closes first (server/transport.py). An asker that never
+    closes loses the stream after CLOSE_LINGER_S."""
+    reader, writer = open_raw(raw, "rpc_info")
+    write(raw, writer, b"".join(frame(p) for p in encode(InfoRequest(), [], runtime_pb2.ExpertRequest)))
+    write(raw, writer, P2P.ERROR_MARKER + bytes(P2P.HEADER_LEN))  # the end of the request (an empty error frame)
+
+    async def answer_then_end() -> tuple[object, float]:
+        message = await asyncio.wait_for(read_message(reply_parts(reader), ServerInfo, max_bytes=0), ANSWER_S)
+        answered = time.monotonic()
+        assert await asyncio.wait_for(reader.read(1), CLOSE_LINGER_S + ANSWER_S) == b""  # then closed by the server
+        return message, time.monotonic() - answered
+
+    message, open_for = raw.loop.run(answer_then_end())
+    assert message is not None and message[0].start_block == 0
+    assert 0.8 * CLOSE_LINGER_S <= open_for <= CLOSE_LINGER_S + 3.0
+
+
+async def reply_parts(reader: asyncio.StreamReader) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+    while True:
+        try:
+            part, error = await P2P.receive_protobuf(runtime_pb2.ExpertResponse, reader)
+        except asyncio.IncompleteReadError:
+            return
+        assert error is None, error
+        yield part
 
 
 def test_huge_header_gets_a_short_error(swarm, raw: RawClient) -> None:

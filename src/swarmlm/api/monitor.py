@@ -20,7 +20,7 @@ from hivemind.proto import runtime_pb2
 
 from swarmlm.client.sequence_manager import dial
 from swarmlm.protocol import service
-from swarmlm.protocol.codec import encode, read_only_message
+from swarmlm.protocol.codec import encode, read_message
 from swarmlm.protocol.messages import InfoRequest, ServerInfo
 from swarmlm.swarm.catalog import fetch_catalog
 from swarmlm.swarm.records import ServerRecord, ServerState, fetch_servers
@@ -93,7 +93,7 @@ class Monitor:
                     await dial(self._p2p, peer, list(record.addrs))
                 replies = await service.stub(self._p2p, peer).rpc_info(_info_request())
                 async with contextlib.aclosing(replies):
-                    message = await read_only_message(replies, ServerInfo, max_bytes=0)
+                    message = await read_message(replies, ServerInfo, max_bytes=0)
         except Exception as e:  # noqa: BLE001 - whatever fails, the server did not answer: that is what is shown
             logger.debug("Server %s did not answer rpc_info: %r", short_id(peer_id), e)
             return False

@@ -18,7 +18,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
 from swarmlm.protocol import service
-from swarmlm.protocol.codec import encode, read_only_message
+from swarmlm.protocol.codec import encode, read_message
 from swarmlm.protocol.messages import InfoRequest, ServerInfo
 
 logger = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ async def time_info_call(p2p: P2P, peer: PeerID, timeout_s: float) -> float:
         async with asyncio.timeout(timeout_s):
             replies = await service.stub(p2p, peer).rpc_info(_info_request())
             async with contextlib.aclosing(replies):
-                if await read_only_message(replies, ServerInfo, max_bytes=0) is None:
+                if await read_message(replies, ServerInfo, max_bytes=0) is None:
                     return timeout_s
     except Exception as e:  # noqa: BLE001 - whatever fails, the server is as far as the deadline for routing
         logger.debug("Timing rpc_info of ...%s failed: %r", peer.to_base58()[-6:], e)

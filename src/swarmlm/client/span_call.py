@@ -18,7 +18,7 @@ from swarmlm.client.sequence_manager import SequenceManager
 from swarmlm.client.streams import PeerStream
 from swarmlm.client.wire import from_wire, marked, on_wire, to_wire
 from swarmlm.errors import BadRequestError, ProtocolError, RemoteCallError
-from swarmlm.protocol.codec import encode, read_message, read_only_message
+from swarmlm.protocol.codec import encode, read_message
 from swarmlm.protocol.messages import InferenceOpen, InfoRequest, ReplyHeader, ServerInfo, _Header
 
 H = TypeVar("H", ReplyHeader, ServerInfo)
@@ -155,12 +155,13 @@ async def _one_exchange(
     manager: SequenceManager, peer_id: str, method: str, header: _Header, tensors: Sequence[torch.Tensor],
     reply_type: type[H], max_bytes: int,
 ) -> tuple[H, list[torch.Tensor]] | None:  # fmt: skip
-    """Send one message on a new stream, end it, and read the one reply up to the end of the stream."""
+    """Send one message on a new stream, end it, read the one reply and close the stream: the server waits for us
+    to close first (server/transport.py says why), so nothing after the reply is awaited."""
     stream = await PeerStream.open(manager.p2p, await manager.ensure_connected(peer_id), method)
     try:
         await stream.send(encode(header, tensors, runtime_pb2.ExpertRequest))
         await stream.end()
-        return await read_only_message(stream.replies(), reply_type, max_bytes=max_bytes)
+        return await read_message(stream.replies(), reply_type, max_bytes=max_bytes)
     finally:
         stream.close()  # also when cancelled or failed: the server stops working for us
 

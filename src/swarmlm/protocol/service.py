@@ -10,6 +10,10 @@ from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.p2p.servicer import StubBase
 from hivemind.proto import runtime_pb2
 
+# A server that has answered a peer which already ended its side waits at most this long for that peer to close the
+# stream first: closing first could lose the answer (server/transport.py); the asker closes once it has read it.
+CLOSE_LINGER_S = 5.0
+
 
 class SpanService(ServicerBase):
     """rpc_forward and rpc_backward take one message (see protocol.codec) and stream back one reply; rpc_inference

@@ -21,6 +21,7 @@ from hivemind.proto import runtime_pb2
 from swarmlm.errors import ProtocolError
 from swarmlm.protocol.codec import drain, encode
 from swarmlm.protocol.messages import ReplyHeader
+from swarmlm.protocol.service import CLOSE_LINGER_S
 from swarmlm.swarm.private import (
     JOIN_HANDLER,
     JOIN_OK,
@@ -75,6 +76,9 @@ class Members:
                 logger.warning("join refused peer=...%s: wrong swarm key", peer[-6:])
             writer.write(JOIN_OK if admitted else JOIN_REFUSED)
             await asyncio.wait_for(writer.drain(), JOIN_TIMEOUT_S)
+            # the joiner closes once it has read the answer; closing first could lose it (server/transport.py)
+            with contextlib.suppress(TimeoutError, ConnectionError):
+                await asyncio.wait_for(reader.read(1), CLOSE_LINGER_S)
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:
             logger.info("join failed peer=...%s: %s", peer[-6:], type(e).__name__)
         finally:

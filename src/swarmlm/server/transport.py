@@ -11,6 +11,13 @@ This module registers the same handler names (wire compatible with hivemind's cl
 `add_binary_stream_handler` and reads the same frames itself: each frame's declared length is checked and charged to
 the peer's byte budget (PeerLedger) before its bytes are read, every body read and reply write has a deadline, and a
 peer that vanishes or stops reading loses its stream (the handler is closed, so its session frees its budget).
+
+Who closes a stream first matters. p2pd (go-libp2p 0.32, yamux v4) pipes each stream to a unix socket; when our side
+closes it, the daemon's `Stream.Close()` first closes the stream for reading, which wakes its own reader goroutine
+with "stream reset" and makes it `Reset()` the stream, racing the FIN. Whenever the reset wins, the peer's yamux drops
+whatever of our last reply its daemon had not read yet: under load about one call in a thousand lost its reply.
+So a reply written after the peer ended its side (a forward, a backward, an info answer) is followed by a linger:
+the peer, which closes as soon as it has read its one reply, closes first, and the lost-reply race cannot happen.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from hivemind.proto.p2pd_pb2 import RPCError
 
 from swarmlm.errors import ProtocolError
 from swarmlm.protocol.codec import MAX_CHUNKS_PER_PART
-from swarmlm.protocol.service import SpanService
+from swarmlm.protocol.service import CLOSE_LINGER_S, SpanService
 from swarmlm.server.membership import Members, refuse_outsider
 from swarmlm.server.peers import LimitError, PeerLedger, short
 
@@ -70,6 +77,8 @@ class _Stream:
         self.charged = 0  # bytes of this stream charged to the peer (queued, being read or being served)
         self.consumed = 0  # of those, bytes of frames the handler has taken and not answered yet
         self.vanished = False  # the connection broke (not a clean end of stream)
+        self.ended = False  # the peer ended its side cleanly: it sends nothing more
+        self.reply_after_end = False  # the last reply was written after that end (the peer may still be reading it)
 
     async def requests(self) -> AsyncIterator[runtime_pb2.ExpertRequest]:
         """What the handler iterates: parsed frames, then the end; a limit hit while reading raises LimitError."""
@@ -101,6 +110,7 @@ class _Stream:
         try:
             while True:
                 item = await self._read_frame()
+                self.ended = item is None
                 await self.queue.put(item)
                 if item is None:
                     break
@@ -220,6 +230,9 @@ async def _serve_stream(
             await asyncio.wait({processing, reading}, return_when=asyncio.FIRST_COMPLETED)
             if reading.done() and stream.vanished:
                 break
+        if stream.reply_after_end and not reading.done():
+            # the peer reads its reply and closes: let it close first (see the module's docstring)
+            await asyncio.wait({reading}, timeout=CLOSE_LINGER_S)
     finally:
         for task in (reading, processing):
             task.cancel()
@@ -249,6 +262,7 @@ async def _send_all(
     async with contextlib.aclosing(replies):  # closing runs the handler's cleanup (session and budget release)
         async for reply in replies:
             stream.answered()
+            stream.reply_after_end = stream.ended
             try:
                 await asyncio.wait_for(P2P.send_protobuf(reply, writer), limits.write_timeout_s)
             except TimeoutError:
