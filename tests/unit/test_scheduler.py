@@ -252,3 +252,14 @@ def test_a_session_not_due_soon_and_an_ended_one_are_never_waited_for() -> None:
     _, latencies = rhythmic_sessions(BatchLimits(decode_wait_s=0.1), [0.0, 0.01], [0.05, 0.05], steps=10,
                                      forget_after=3)  # fmt: skip
     assert sorted(latencies[0])[-3] < 0.02
+
+
+def test_a_server_in_a_chain_of_two_batches_half_the_active_sessions() -> None:
+    # four sessions in rhythm: one server of a one-server chain waits for all of them; in a chain of two, its batches
+    # hold two (one cohort), so it computes one cohort while the other is at the next server
+    offsets, intervals = [0.0, 0.01, 0.02, 0.03], [0.1] * 4
+    alone, _ = rhythmic_sessions(BatchLimits(decode_wait_s=0.1), offsets, intervals, steps=8)
+    assert max(alone) == 4
+    chained, latencies = rhythmic_sessions(BatchLimits(decode_wait_s=0.1, stages=2), offsets, intervals, steps=8)
+    assert max(chained) == 2 and chained.count(2) >= 8
+    assert max(max(session) for session in latencies) < 0.1 + 0.05

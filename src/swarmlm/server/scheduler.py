@@ -75,6 +75,11 @@ class BatchLimits:
     # for them: concurrent sessions fall into step and share forwards, which on a CPU cost little more than one
     decode_wait_s: float = 0.1
     active_s: float = 1.0  # a session that sent a decode step this recently is expected to send the next one
+    # servers a session's steps pass through, this one included (the model's blocks / this span's): with more than
+    # one, the active sessions over a span form that many cohorts, and a decode batch holds (and waits for) one
+    # cohort. Each server then computes one cohort while the others are elsewhere in the chain (pipelining), where
+    # one cohort of all sessions would leave every server idle until it comes round again.
+    stages: int = 1
 
 
 def next_batch(queue: Sequence[Task], limits: BatchLimits, last_served: Mapping[str, int]) -> list[Task]:
@@ -235,7 +240,10 @@ class Scheduler:
         loop = asyncio.get_running_loop()
         while self.queue:
             batch = next_batch(self.queue, self.limits, self.last_served)
-            if await self._wait_for_more(batch):
+            cohort = self._cohort(batch)
+            if batch and batch[0].decode is not None:
+                batch = batch[:cohort]
+            if await self._wait_for_more(batch, cohort):
                 continue
             for task in batch:
                 self.queue.remove(task)
@@ -279,13 +287,23 @@ class Scheduler:
         else:
             rhythm.arrived(now)
 
-    async def _wait_for_more(self, batch: list[Task]) -> bool:
+    def _cohort(self, batch: list[Task]) -> int:
+        """The most sessions a decode batch like `batch` holds: a cohort of the sessions active over its blocks
+        (BatchLimits.stages); any batch size for other work."""
+        head = batch[0].decode if batch else None
+        if head is None or self.limits.stages <= 1:
+            return self.limits.max_sessions
+        now, key = time.monotonic(), (head.start, head.end, head.adapter)
+        active = sum(1 for r in self._rhythms.values() if r.key == key and now - r.last_s <= self.limits.active_s)
+        return max(1, min(self.limits.max_sessions, -(-active // self.limits.stages)))
+
+    async def _wait_for_more(self, batch: list[Task], cohort: int) -> bool:
         """Whether a decode batch waited for the steps of other sessions over the same blocks that are due within
         the wait (they stepped recently and their next step is expected by then, from their own rhythm): one forward
         for all costs little more than one for a few, so concurrent sessions fall into step and share forwards. A
         session whose next step is not expected that soon (a slow link, a pause) is never waited for."""
         head = batch[0].decode if batch else None
-        if head is None or self.limits.decode_wait_s <= 0 or len(batch) >= self.limits.max_sessions:
+        if head is None or self.limits.decode_wait_s <= 0 or len(batch) >= cohort:
             return False
         if any(task.decode is None for task in self.queue):
             return False  # other work waits too: run what is here
@@ -295,11 +313,11 @@ class Scheduler:
             return False
         present = {id(task.decode.cache) for task in batch if task.decode is not None}
         key = (head.start, head.end, head.adapter)
-        due = [
+        due = sorted(
             rhythm.next_s
             for cache_id, rhythm in self._rhythms.items()
             if rhythm.key == key and cache_id not in present and rhythm.expected(now, deadline, self.limits.active_s)
-        ]
+        )[: cohort - len(batch)]  # the earliest, up to a full cohort
         if not due:
             return False
         self._arrived.clear()
