@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 import torch
 from transformers.cache_utils import DynamicCache
 
@@ -104,8 +106,15 @@ def test_one_cache_is_never_twice_in_a_batch() -> None:
     assert seqs(next_batch(queue, LIMITS, {})) == [0]
 
 
-def test_decode_steps_batch_while_the_compute_thread_is_busy() -> None:
-    """What arrives while the thread works runs next as one batch; results go to their own callers."""
+@pytest.mark.parametrize(
+    ("stages", "hold_s", "batched"),
+    [(1, 0.05, [3]), (3, 1.1, [3]), (3, 0.05, [])],
+    ids=["whole-model", "third-of-a-chain-behind", "third-of-a-chain-keeping-up"],
+)
+def test_decode_steps_batch_while_the_compute_thread_is_busy(stages: int, hold_s: float, batched: list[int]) -> None:
+    """What arrives while the thread works runs next as one batch; results go to their own callers. A server holding
+    a third of a chain runs the steps of a third of the sessions at a time (here one: a lone step runs by itself),
+    unless it is behind (busy all the last second): then it runs all it has at once."""
     release = threading.Event()
     batches: list[int] = []
 
@@ -118,7 +127,7 @@ def test_decode_steps_batch_while_the_compute_thread_is_busy() -> None:
         return "forward done"
 
     async def main() -> list[object]:
-        scheduler = Scheduler(ThreadPoolExecutor(1), run_decodes, LIMITS)
+        scheduler = Scheduler(ThreadPoolExecutor(1), run_decodes, dataclasses.replace(LIMITS, stages=stages))
         first = asyncio.ensure_future(scheduler.submit(Kind.FORWARD, "x", blocking))
         await asyncio.sleep(0.05)  # the forward holds the thread
         steps = [
@@ -128,15 +137,15 @@ def test_decode_steps_batch_while_the_compute_thread_is_busy() -> None:
             )
             for v, p in [(1.0, "a"), (2.0, "b"), (3.0, "c")]
         ]  # fmt: skip
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(hold_s)
         release.set()
         results = await asyncio.gather(first, *steps)
-        assert scheduler.batched_steps == 1 and scheduler.max_sessions_per_step == 3
         alone = await scheduler.submit(Kind.INFERENCE, "a", lambda: "alone", decode())
         return [*results, alone]
 
-    assert asyncio.run(main()) == ["forward done", 1.0, 2.0, 3.0, "alone"]
-    assert batches == [3]
+    results = asyncio.run(main())
+    assert batches == batched
+    assert results == ["forward done", *([1.0, 2.0, 3.0] if batched else ["alone"] * 3), "alone"]
 
 
 def test_a_failure_reaches_its_callers_and_the_queue_goes_on() -> None:

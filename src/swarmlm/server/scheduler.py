@@ -6,6 +6,7 @@ import asyncio
 import inspect
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Generator, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -78,7 +79,8 @@ class BatchLimits:
     # servers a session's steps pass through, this one included (the model's blocks / this span's): with more than
     # one, the active sessions over a span form that many cohorts, and a decode batch holds (and waits for) one
     # cohort. Each server then computes one cohort while the others are elsewhere in the chain (pipelining), where
-    # one cohort of all sessions would leave every server idle until it comes round again.
+    # one cohort of all sessions would leave every server idle until it comes round again. A server that is behind
+    # (busy almost all the time: SATURATED_SHARE) batches all the steps it has instead.
     stages: int = 1
 
 
@@ -144,6 +146,10 @@ def _joined(head: Task, others: Sequence[Task], limits: BatchLimits) -> list[Tas
     return batch
 
 
+# a server whose compute thread was busy this share of the last BUSY_WINDOW_S is behind the others of its chain:
+# it batches all the decode steps it has, cohorts or not (one forward for many costs little more than for a few)
+SATURATED_SHARE = 0.9
+BUSY_WINDOW_S = 1.0
 # a batch waiting for a due session's step waits this much past the step's expected time (jitter)
 _DUE_SLACK_S = 0.005
 
@@ -202,6 +208,7 @@ class Scheduler:
         self.depth = DepthMeter()  # turns a new request waits for, averaged over time (announced in the record)
         self._rhythms: dict[int, _Rhythm] = {}  # decode steps' timing of each session, by its cache's id
         self._arrived = asyncio.Event()
+        self._busy: deque[tuple[float, float]] = deque()  # (start, end) of the compute thread's recent runs
 
     def queue_depth(self) -> float:
         """The averaged turns of the compute thread a request arriving now waits for (0: idle)."""
@@ -242,7 +249,7 @@ class Scheduler:
             batch = next_batch(self.queue, self.limits, self.last_served)
             cohort = self._cohort(batch)
             if batch and batch[0].decode is not None:
-                batch = batch[:cohort]
+                batch = batch[:cohort]  # the rest runs next, as the next cohort
             if await self._wait_for_more(batch, cohort):
                 continue
             for task in batch:
@@ -254,6 +261,7 @@ class Scheduler:
                 batch = [self._merge(batch, loop)]
             self._served(batch)
             self._measure()
+            began = time.monotonic()
             try:
                 results = await loop.run_in_executor(self.executor, self._execute, batch)
             except BaseException as e:  # noqa: BLE001 - every waiting caller gets the failure, then the loop goes on
@@ -264,6 +272,8 @@ class Scheduler:
                 if cancelled:
                     raise
                 continue
+            finally:
+                self._busy.append((began, time.monotonic()))
             if results is _UNFINISHED:
                 self.queue.append(batch[0])  # its next quantum waits for its turn like any other task
                 continue
@@ -287,11 +297,19 @@ class Scheduler:
         else:
             rhythm.arrived(now)
 
+    def busy_share(self, now: float | None = None) -> float:
+        """The share of the last BUSY_WINDOW_S the compute thread spent running batches."""
+        now = time.monotonic() if now is None else now
+        since = now - BUSY_WINDOW_S
+        while self._busy and self._busy[0][1] <= since:
+            self._busy.popleft()
+        return sum(end - max(start, since) for start, end in self._busy) / BUSY_WINDOW_S
+
     def _cohort(self, batch: list[Task]) -> int:
-        """The most sessions a decode batch like `batch` holds: a cohort of the sessions active over its blocks
-        (BatchLimits.stages); any batch size for other work."""
+        """The most sessions a decode batch like `batch` holds and waits for: a cohort of the sessions active over
+        its blocks (BatchLimits.stages), unless this server is behind."""
         head = batch[0].decode if batch else None
-        if head is None or self.limits.stages <= 1:
+        if head is None or self.limits.stages <= 1 or self.busy_share() >= SATURATED_SHARE:
             return self.limits.max_sessions
         now, key = time.monotonic(), (head.start, head.end, head.adapter)
         active = sum(1 for r in self._rhythms.values() if r.key == key and now - r.last_s <= self.limits.active_s)
