@@ -132,24 +132,26 @@ def frame(part: runtime_pb2.ExpertRequest) -> bytes:
     return P2P.MESSAGE_MARKER + len(data).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + data
 
 
+async def reply_parts(reader: asyncio.StreamReader) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+    """The reply parts on a raw stream, until it ends; a handler's error frame becomes a refusal's part."""
+    while True:
+        try:
+            part, error = await P2P.receive_protobuf(runtime_pb2.ExpertResponse, reader)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return  # cut off: a server that refuses a frame it will not read may reset the stream
+        if error is not None:
+            header = {"protocol_version": 1, "ok": False, "error": error.message, "error_kind": "server"}
+            yield runtime_pb2.ExpertResponse(metadata=msgpack.packb({"header": header, "n_tensors": 0}))
+            return
+        yield part
+
+
 def start_reading(raw: RawClient, reader: asyncio.StreamReader, timeout: float = ANSWER_S) -> Future:
     """Read the server's reply header in the background (None if it closes the stream without one): a reply must be
     read before the attacker's own writes break the connection, which makes the reader fail too."""
 
-    async def parts() -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        while True:
-            try:
-                part, error = await P2P.receive_protobuf(runtime_pb2.ExpertResponse, reader)
-            except (asyncio.IncompleteReadError, ConnectionError):
-                return  # cut off: a server that refuses a frame it will not read may reset the stream
-            if error is not None:
-                header = {"protocol_version": 1, "ok": False, "error": error.message, "error_kind": "server"}
-                yield runtime_pb2.ExpertResponse(metadata=msgpack.packb({"header": header, "n_tensors": 0}))
-                return
-            yield part
-
     async def call() -> ReplyHeader | None:
-        message = await asyncio.wait_for(read_message(parts(), ReplyHeader, max_bytes=1 << 26), timeout)
+        message = await asyncio.wait_for(read_message(reply_parts(reader), ReplyHeader, max_bytes=1 << 26), timeout)
         return None if message is None else message[0]
 
     return asyncio.run_coroutine_threadsafe(call(), raw.loop.loop)
@@ -345,16 +347,6 @@ def test_the_asker_closes_first_and_one_that_never_does_is_cut_off(swarm, raw: R
     message, open_for = raw.loop.run(answer_then_end())
     assert message is not None and message[0].start_block == 0
     assert 0.8 * CLOSE_LINGER_S <= open_for <= CLOSE_LINGER_S + 3.0
-
-
-async def reply_parts(reader: asyncio.StreamReader) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-    while True:
-        try:
-            part, error = await P2P.receive_protobuf(runtime_pb2.ExpertResponse, reader)
-        except asyncio.IncompleteReadError:
-            return
-        assert error is None, error
-        yield part
 
 
 def test_huge_header_gets_a_short_error(swarm, raw: RawClient) -> None:

@@ -213,7 +213,6 @@ def test_a_caller_that_gives_up_stops_its_long_request() -> None:
     asyncio.run(main())
 
 
-
 def rhythmic_sessions(
     limits: BatchLimits, offsets_s: list[float], intervals_s: list[float], steps: int, forget_after: int | None = None
 ) -> tuple[list[int], list[list[float]]]:

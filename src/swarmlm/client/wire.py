@@ -18,6 +18,7 @@ from typing import TypeVar
 
 import torch
 
+from swarmlm.protocol.int8 import compressible
 from swarmlm.protocol.messages import _Header
 
 # wire dtypes a client may choose; values: the dtype floats travel in
@@ -43,12 +44,6 @@ def marked(header: H, wire: torch.dtype) -> H:
     if wire != torch.int8 or "int8" not in type(header).model_fields:
         return header
     return header.model_copy(update={"int8": True})
-
-
-def compressible(tensor_dim: int) -> bool:
-    """Whether a tensor of this many dimensions travels compressed: activations (batch, ...) do, 1-D LoRA weights
-    and gradients do not (protocol/int8.py applies the same rule)."""
-    return tensor_dim >= 2
 
 
 def to_wire(tensors: Sequence[torch.Tensor], wire: torch.dtype) -> list[torch.Tensor]:

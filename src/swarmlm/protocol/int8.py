@@ -17,10 +17,16 @@ QMAX = 127
 MAX_SCALE = torch.finfo(torch.float32).max / QMAX
 
 
+def compressible(tensor_dim: int) -> bool:
+    """Whether a tensor of this many dimensions may travel in a lossy form (int8 here, 16-bit in client/wire.py):
+    activations and prompts, which have rows, do; 1-D ones (a LoRA's flat weights and their gradients: parameters,
+    which one scale for all would corrupt) do not."""
+    return tensor_dim >= 2
+
+
 def quantizable(tensor: torch.Tensor) -> bool:
-    """Whether a tensor travels in 8-bit form in an int8 message: float tensors with rows (activations, prompts);
-    1-D ones (a LoRA's flat weights and their gradients: parameters, which one scale for all would corrupt) do not."""
-    return tensor.is_floating_point() and tensor.dim() >= 2
+    """Whether a tensor travels in 8-bit form in an int8 message: compressible float tensors."""
+    return tensor.is_floating_point() and compressible(tensor.dim())
 
 
 def quantize_rows(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -47,6 +47,11 @@ class DecodeStep:
     def rows(self) -> int:
         return self.hidden.shape[0]
 
+    @property
+    def key(self) -> tuple[int, int, str | None]:
+        """Its blocks and adapter: only steps with the same key run as one forward."""
+        return self.start, self.end, self.adapter
+
 
 @dataclass(eq=False)
 class Task:
@@ -115,7 +120,7 @@ def next_batch(queue: Sequence[Task], limits: BatchLimits, last_served: Mapping[
 
 def _same_forward(step: DecodeStep, head: DecodeStep) -> bool:
     """Steps run as one forward only over the same blocks with the same LoRA adapter."""
-    return (step.start, step.end, step.adapter) == (head.start, head.end, head.adapter)
+    return step.key == head.key
 
 
 def _wanted(task: Task) -> bool:
@@ -158,7 +163,7 @@ _DUE_SLACK_S = 0.005
 class _Rhythm:
     """When a session's decode steps arrive: the last one, and the smoothed interval between them."""
 
-    key: tuple[int, int, str | None]  # its blocks and adapter: only steps with the same key share forwards
+    key: tuple[int, int, str | None]  # DecodeStep.key of its steps
     last_s: float
     interval_s: float | None = None
 
@@ -293,7 +298,7 @@ class Scheduler:
                 stalest = sorted(self._rhythms, key=lambda c: self._rhythms[c].last_s)
                 for cache_id in stalest[: len(stalest) // 2]:
                     del self._rhythms[cache_id]
-            self._rhythms[id(step.cache)] = _Rhythm((step.start, step.end, step.adapter), now)
+            self._rhythms[id(step.cache)] = _Rhythm(step.key, now)
         else:
             rhythm.arrived(now)
 
@@ -311,8 +316,8 @@ class Scheduler:
         head = batch[0].decode if batch else None
         if head is None or self.limits.stages <= 1 or self.busy_share() >= SATURATED_SHARE:
             return self.limits.max_sessions
-        now, key = time.monotonic(), (head.start, head.end, head.adapter)
-        active = sum(1 for r in self._rhythms.values() if r.key == key and now - r.last_s <= self.limits.active_s)
+        now = time.monotonic()
+        active = sum(1 for r in self._rhythms.values() if r.key == head.key and now - r.last_s <= self.limits.active_s)
         return max(1, min(self.limits.max_sessions, -(-active // self.limits.stages)))
 
     async def _wait_for_more(self, batch: list[Task], cohort: int) -> bool:
@@ -330,12 +335,9 @@ class Scheduler:
         if now >= deadline:
             return False
         present = {id(task.decode.cache) for task in batch if task.decode is not None}
-        key = (head.start, head.end, head.adapter)
-        due = sorted(
-            rhythm.next_s
-            for cache_id, rhythm in self._rhythms.items()
-            if rhythm.key == key and cache_id not in present and rhythm.expected(now, deadline, self.limits.active_s)
-        )[: cohort - len(batch)]  # the earliest, up to a full cohort
+        others = (r for cache_id, r in self._rhythms.items() if r.key == head.key and cache_id not in present)
+        due = sorted(r.next_s for r in others if r.expected(now, deadline, self.limits.active_s))
+        due = due[: cohort - len(batch)]  # the earliest, up to a full cohort
         if not due:
             return False
         self._arrived.clear()

@@ -15,7 +15,7 @@ peer that vanishes or stops reading loses its stream (the handler is closed, so 
 Who closes a stream first matters. p2pd (go-libp2p 0.32, yamux v4) pipes each stream to a unix socket; when our side
 closes it, the daemon's `Stream.Close()` first closes the stream for reading, which wakes its own reader goroutine
 with "stream reset" and makes it `Reset()` the stream, racing the FIN. Whenever the reset wins, the peer's yamux drops
-whatever of our last reply its daemon had not read yet: under load about one call in a thousand lost its reply.
+whatever of our last reply its daemon had not read yet: on a loaded machine, now and then a reply was lost.
 So a reply written after the peer ended its side (a forward, a backward, an info answer) is followed by a linger:
 the peer, which closes as soon as it has read its one reply, closes first, and the lost-reply race cannot happen.
 """
