@@ -1,15 +1,24 @@
-"""The `swarmlm` command: a bootstrap node others join, and clear errors for bad arguments."""
+"""The `swarmlm` command: a bootstrap node others join (also one that comes up late), and clear errors for bad
+arguments."""
 
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
+import pytest
 import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from hivemind.p2p import P2PDaemonError, PeerID
 
 from swarmlm.local_swarm import READY_LINE
+from swarmlm.swarm.dht import BOOTSTRAP_ATTEMPTS, BOOTSTRAP_RETRY_S, start_dht
+from swarmlm.swarm.identity import peer_id_bytes
 from swarmlm.utils.processes import spawn_bound
 from tests.conftest import LOGITS_ATOL, load_reference
 
@@ -69,3 +78,33 @@ def test_bad_adapters_and_quantization_get_clear_errors(tiny_model_dir: Path, tm
         result = run_cli("serve", str(tiny_model_dir), "--blocks", "0:2", "--new-swarm", "--quant", mode,
                          "--adapters", str(missing))  # fmt: skip
         assert result.returncode == 2 and "cannot be combined" in result.stderr
+
+
+def test_a_node_whose_initial_peer_starts_late_still_joins_and_one_that_never_does_gives_up() -> None:
+    key = Ed25519PrivateKey.generate()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    bootstrap = f"/ip4/127.0.0.1/tcp/{port}/p2p/{PeerID(peer_id_bytes(key)).to_base58()}"
+    began = time.monotonic()
+    with pytest.raises(P2PDaemonError, match="bootstrap"):  # nobody there: a few tries, then a clear error
+        start_dht([bootstrap], host="127.0.0.1")
+    waits = sum(BOOTSTRAP_RETRY_S * attempt for attempt in range(1, BOOTSTRAP_ATTEMPTS))
+    assert waits <= time.monotonic() - began < waits + 20
+    joined: list = []
+    joiner = threading.Thread(target=lambda: joined.append(start_dht([bootstrap], host="127.0.0.1")))
+    joiner.start()
+    time.sleep(0.5)  # its first try finds nobody
+    node = start_dht(host="127.0.0.1", port=port, key=key)  # the initial peer comes up
+    try:
+        joiner.join(60)
+        assert joined, "the node did not start once its initial peer was up"
+        assert str(node.peer_id) in {str(peer) for peer in joined[0].run_coroutine(_peers)}
+    finally:
+        node.shutdown()
+        for dht in joined:
+            dht.shutdown()
+
+
+async def _peers(dht, node) -> list:  # noqa: ANN001 - hivemind's run_coroutine signature
+    return [info.peer_id for info in await node.p2p.list_peers()]

@@ -6,11 +6,12 @@ import ipaddress
 import logging
 import os
 import shutil
+import time
 from collections.abc import Sequence
 
 import hivemind
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import P2P, P2PDaemonError, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 from swarmlm.errors import SwarmError
@@ -19,6 +20,12 @@ from swarmlm.swarm.private import SwarmKeyValidator
 from swarmlm.utils.processes import kill_group_when_orphaned
 
 logger = logging.getLogger(__name__)
+
+# starting a node whose initial peers do not answer is tried this many times, waiting BOOTSTRAP_RETRY_S x attempt
+# in between; p2pd's own error for it contains BOOTSTRAP_FAILURE
+BOOTSTRAP_ATTEMPTS = 3
+BOOTSTRAP_RETRY_S = 2.0
+BOOTSTRAP_FAILURE = "failed to connect to bootstrap peers"
 
 
 class ParentBoundDHT(hivemind.DHT):
@@ -102,20 +109,35 @@ def start_dht(
     key = key or Ed25519PrivateKey.generate()
     identity_path = temporary_identity_file(key)
     try:
-        dht = ParentBoundDHT(
-            initial_peers=list(initial_peers),
-            host_maddrs=[f"/{ip}/{host}/tcp/{port}"],
-            client_mode=client_mode,
-            start=False,
-            record_validators=[PeerIdSignatureValidator(key)] + ([SwarmKeyValidator(swarm_key)] if swarm_key else []),
-            identity_path=str(identity_path),
-            # hivemind's "is this identity taken" check parses RSA keys only; a fresh random key is never taken
-            check_if_identity_free=False,
-            **kwargs,
-        )
-        dht._bound_parent_pid = os.getpid()
-        dht._static_relays = bool(relays)
-        dht.run_in_background(await_ready=True)
+        for attempt in range(1, BOOTSTRAP_ATTEMPTS + 1):
+            dht = ParentBoundDHT(
+                initial_peers=list(initial_peers),
+                host_maddrs=[f"/{ip}/{host}/tcp/{port}"],
+                client_mode=client_mode,
+                start=False,
+                record_validators=[PeerIdSignatureValidator(key)]
+                + ([SwarmKeyValidator(swarm_key)] if swarm_key else []),
+                identity_path=str(identity_path),
+                # hivemind's "is this identity taken" check parses RSA keys only; a fresh random key is never taken
+                check_if_identity_free=False,
+                **kwargs,
+            )
+            dht._bound_parent_pid = os.getpid()
+            dht._static_relays = bool(relays)
+            try:
+                dht.run_in_background(await_ready=True)
+                break
+            except P2PDaemonError as e:
+                # p2pd gives up when no initial peer answers within its own timeout: one that is restarting, or
+                # slow to accept under load, is tried again a few times before this node gives up too
+                if BOOTSTRAP_FAILURE not in str(e) or attempt == BOOTSTRAP_ATTEMPTS:
+                    raise
+                logger.warning("No initial peer answered (attempt %d of %d); trying again in %.0f s",
+                               attempt, BOOTSTRAP_ATTEMPTS, BOOTSTRAP_RETRY_S * attempt)  # fmt: skip
+                dht.join(timeout=5)
+                if dht.is_alive():
+                    dht.terminate()
+                time.sleep(BOOTSTRAP_RETRY_S * attempt)
     finally:
         # p2pd has read the key once it runs; the key stays only in this process and the DHT's
         shutil.rmtree(identity_path.parent, ignore_errors=True)
