@@ -10,6 +10,7 @@ forward/backward passes through the same servers (the servers run inference step
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import threading
 import time
@@ -28,6 +29,7 @@ QUESTIONS = [
     "What is the boiling point of water?",
 ]  # fmt: skip
 BATCH_LINE = "inference batch sessions="
+SERVERS = 2
 
 
 def prompts(model_dir: object) -> list[torch.Tensor]:
@@ -133,8 +135,9 @@ def main() -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--train-tokens", type=int, default=2048, help="tokens of the competing forward/backward")
-    parser.add_argument("--server-threads", type=int, default=None,
-                        help="torch threads of each server (default: torch's choice)")  # fmt: skip
+    parser.add_argument("--server-threads", type=int, default=max(1, (os.cpu_count() or 1) // SERVERS),
+                        help="torch threads of each server (default: the cores shared among the servers, as "
+                             "`swarmlm demo` shares them)")  # fmt: skip
     parser.add_argument("--decode-wait-ms", type=float, default=None,
                         help="the servers' --decode-wait-ms (default: theirs; 0 turns the wait off)")  # fmt: skip
     args = parser.parse_args()
@@ -142,7 +145,7 @@ def main() -> None:
     num_blocks = load_config(model_dir).num_hidden_layers
     inputs = prompts(model_dir)
     print(f"model {args.model}, {len(inputs)} users, {args.new_tokens} new tokens each, greedy, fp32, torch threads "
-          f"{torch.get_num_threads()} (client), {args.server_threads or 'default'} (each server)")  # fmt: skip
+          f"{torch.get_num_threads()} (client), {args.server_threads} (each server)")  # fmt: skip
 
     local = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa", dtype=torch.float32).eval()
     greedy(local, inputs[0], 4)  # warm-up
@@ -153,7 +156,7 @@ def main() -> None:
 
     server_args = [] if args.decode_wait_ms is None else ["--decode-wait-ms", str(args.decode_wait_ms)]
     with LocalSwarm(str(model_dir), threads_per_server=args.server_threads, extra_args=server_args) as swarm:
-        swarm.start_servers(even_spans(num_blocks, 2))
+        swarm.start_servers(even_spans(num_blocks, SERVERS))
         with AutoDistributedModelForCausalLM.from_pretrained(str(model_dir), initial_peers=swarm.initial_peers) as m:
             greedy(m, inputs[0], 4)  # warm-up: routes measured, connections open
             runs, cpu, heads = {}, {}, {}

@@ -37,3 +37,22 @@ def test_batched_decode_equals_each_session_alone(tiny_model_dir: Path) -> None:
                 assert a.get_seq_length(start) == b.get_seq_length(start)
                 for layer in range(start, end):
                     assert (a.layers[layer].keys - b.layers[layer].keys).abs().max().item() <= 1e-5
+
+
+def test_cpu_float32_spans_keep_linear_weights_column_major_with_their_values(tiny_model_dir: Path) -> None:
+    """A batch of decode steps multiplies a few rows by every Linear weight: on CPU float32 the weights are stored
+    transposed in memory (faster there), yet read as the checkpoint's (out, in) values by everyone else."""
+    from swarmlm.models.loading import load_tensors
+
+    span = SpanModel.from_dir(tiny_model_dir, 1, 3)
+    stored = load_tensors(tiny_model_dir, ["model.layers.1.", "model.layers.2."], dtype=torch.float32)
+    linears = [(name, m) for name, m in span.layers.named_modules() if type(m) is torch.nn.Linear]
+    assert linears
+    for name, module in linears:
+        weight = module.weight
+        assert weight.stride() == (1, weight.shape[0]), name
+        index, rest = name.split(".", 1)
+        assert torch.equal(weight, stored[f"model.layers.{int(index) + 1}.{rest}.weight"]), name
+        assert not weight.requires_grad
+    half = SpanModel.from_dir(tiny_model_dir, 1, 3, dtype=torch.bfloat16)
+    assert all(m.weight.is_contiguous() for m in half.layers.modules() if type(m) is torch.nn.Linear)

@@ -6,7 +6,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F  # noqa: N812 - the usual name
 from transformers.cache_utils import DynamicCache
 
 from swarmlm.models.registry import SLIDING_ATTENTION
@@ -25,15 +24,20 @@ class StackedCaches:
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """key/value_states (rows, kv_heads, 1, head_dim) -> all keys/values (rows, kv_heads, longest + 1, dim)."""
-        keys, values, row = [], [], 0
+        keys = key_states.new_empty(key_states.shape[:2] + (self.longest + 1, key_states.shape[-1]))
+        values = value_states.new_empty(value_states.shape[:2] + (self.longest + 1, value_states.shape[-1]))
+        row = 0
         for cache, rows, length in zip(self.caches, self.rows, self.lengths, strict=True):
             # the session's own cache takes its new token and returns its whole history (rows, kv, length + 1, d)
             k, v = cache.update(key_states[row : row + rows], value_states[row : row + rows], layer_idx)
             pad = self.longest - length  # left padding, masked out: the new token stays the last column
-            keys.append(F.pad(k, (0, 0, pad, 0)))
-            values.append(F.pad(v, (0, 0, pad, 0)))
+            keys[row : row + rows, :, pad:] = k
+            values[row : row + rows, :, pad:] = v
+            if pad:  # masked, but must be finite: a masked score is still computed from it
+                keys[row : row + rows, :, :pad] = 0
+                values[row : row + rows, :, :pad] = 0
             row += rows
-        return torch.cat(keys), torch.cat(values)
+        return keys, values
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.longest
