@@ -138,6 +138,8 @@ def main() -> None:
     parser.add_argument("--server-threads", type=int, default=max(1, (os.cpu_count() or 1) // SERVERS),
                         help="torch threads of each server (default: the cores shared among the servers, as "
                              "`swarmlm demo` shares them)")  # fmt: skip
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="rounds of 1, 4 and 8 users; rates are their medians (rounds vary ~10%%)")  # fmt: skip
     parser.add_argument("--decode-wait-ms", type=float, default=None,
                         help="the servers' --decode-wait-ms (default: theirs; 0 turns the wait off)")  # fmt: skip
     args = parser.parse_args()
@@ -159,18 +161,31 @@ def main() -> None:
         swarm.start_servers(even_spans(num_blocks, SERVERS))
         with AutoDistributedModelForCausalLM.from_pretrained(str(model_dir), initial_peers=swarm.initial_peers) as m:
             greedy(m, inputs[0], 4)  # warm-up: routes measured, connections open
-            runs, cpu, heads = {}, {}, {}
+            counts = (1, 4, len(inputs))
+            rates: dict[int, list[float]] = {n: [] for n in counts}
+            gaps: dict[int, list[float]] = {n: [] for n in counts}
+            spent: dict[int, dict[str, float]] = {n: {} for n in counts}
+            rows: dict[int, list[int]] = {n: [0, 0] for n in counts}  # head rows, head products
             head = m._head_batcher
-            for users in (1, 4, len(inputs)):
-                before, head_before = cpu_seconds(), (head.batches, head.rows)
-                rate, gaps, outputs = together(m, inputs[:users], args.new_tokens)
-                after = cpu_seconds()
-                if outputs != expected[:users]:
-                    raise SystemExit("the swarm generated other tokens than the local model")
-                runs[users] = (rate, percentile(gaps, 0.5), percentile(gaps, 0.95))
-                tokens = users * args.new_tokens
-                cpu[users] = {role: 1000 * (after[role] - before.get(role, 0.0)) / tokens for role in after}
-                heads[users] = (head.rows - head_before[1]) / max(1, head.batches - head_before[0])
+            for _ in range(args.repeats):  # rounds of 1, 4, 8 users: drift of the machine touches all alike
+                for users in counts:
+                    before, head_before = cpu_seconds(), (head.batches, head.rows)
+                    rate, user_gaps, outputs = together(m, inputs[:users], args.new_tokens)
+                    after = cpu_seconds()
+                    if outputs != expected[:users]:
+                        raise SystemExit("the swarm generated other tokens than the local model")
+                    rates[users].append(rate)
+                    gaps[users].extend(user_gaps)
+                    for role in after:
+                        spent[users][role] = spent[users].get(role, 0.0) + after[role] - before.get(role, 0.0)
+                    rows[users][0] += head.rows - head_before[1]
+                    rows[users][1] += head.batches - head_before[0]
+            runs = {
+                n: (statistics.median(rates[n]), percentile(gaps[n], 0.5), percentile(gaps[n], 0.95)) for n in counts
+            }
+            tokens = {n: args.repeats * n * args.new_tokens for n in counts}
+            cpu = {n: {role: 1000 * s / tokens[n] for role, s in spent[n].items()} for n in counts}
+            heads = {n: rows[n][0] / max(1, rows[n][1]) for n in counts}
             batches = [
                 int(line.split(BATCH_LINE)[1].split()[0])
                 for server in swarm.servers
@@ -195,6 +210,8 @@ def main() -> None:
         name = f"swarm (2 servers), {users} user(s) at once"
         print(f"{name:<40}{rate:>10.1f}{rate / local_rate:>8.2f}{rate / runs[1][0]:>11.2f}"
               f"{p50 * 1000:>8.0f}{p95 * 1000:>8.0f}")  # fmt: skip
+    print(f"(tokens/s: medians of {args.repeats} rounds; {counts[-1]} users vs 1 round by round: "
+          + ", ".join(f"{many / one:.2f}" for one, many in zip(rates[1], rates[counts[-1]], strict=True)) + ")")
     roles = sorted(cpu[len(inputs)])
     print(f"\nCPU ms per generated token (prompts included), by process: {', '.join(roles)}, total")
     for users, by_role in cpu.items():
