@@ -1,4 +1,10 @@
-"""One-token decode steps of several sessions, each with its own KV cache, run through a span as one forward."""
+"""One-token decode steps of several sessions, each with its own KV cache, run through a span as one forward.
+
+The projections and MLPs of all sessions run as one batch (that is where the batch pays: their weights are read once).
+Attention runs session by session over each session's own cache, as Hugging Face's sdpa attention runs it for a
+session alone: nothing is copied into a padded stack, so a step's cost does not grow with the other sessions'
+histories, and each session's result is what it gets alone.
+"""
 
 from __future__ import annotations
 
@@ -6,45 +12,75 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch import nn
+from transformers import AttentionInterface
 from transformers.cache_utils import DynamicCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from swarmlm.models.registry import SLIDING_ATTENTION
 from swarmlm.models.span import SpanModel
 
+# the attention implementation a span's layers use during a batched decode step
+SESSIONS_ATTENTION = "swarmlm_sessions"
 
-class StackedCaches:
-    """The `cache=` of a batched decode step: each layer's update goes to every session's own cache, and the layer
-    attends over their keys/values left-padded to the longest session and stacked along the batch dimension."""
 
-    def __init__(self, caches: Sequence[DynamicCache], rows: Sequence[int], lengths: Sequence[int]):
-        self.caches, self.rows, self.lengths = list(caches), list(rows), list(lengths)
-        self.longest = max(self.lengths)
+class SessionCaches:
+    """The `cache=` of a batched decode step: each layer's update goes to every session's own cache, and the layer's
+    attention (sessions_attention) reads each session's keys/values from there."""
+
+    def __init__(self, caches: Sequence[DynamicCache], rows: Sequence[int], windows: dict[int, int | None]):
+        """windows: by global layer index, how many of the last positions a new token sees (None: all)."""
+        self.caches, self.rows, self.windows = list(caches), list(rows), windows
+        self.histories: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # by layer, until its attention
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """key/value_states (rows, kv_heads, 1, head_dim) -> all keys/values (rows, kv_heads, longest + 1, dim)."""
-        keys = key_states.new_empty(key_states.shape[:2] + (self.longest + 1, key_states.shape[-1]))
-        values = value_states.new_empty(value_states.shape[:2] + (self.longest + 1, value_states.shape[-1]))
-        row = 0
-        for cache, rows, length in zip(self.caches, self.rows, self.lengths, strict=True):
-            # the session's own cache takes its new token and returns its whole history (rows, kv, length + 1, d)
-            k, v = cache.update(key_states[row : row + rows], value_states[row : row + rows], layer_idx)
-            pad = self.longest - length  # left padding, masked out: the new token stays the last column
-            keys[row : row + rows, :, pad:] = k
-            values[row : row + rows, :, pad:] = v
-            if pad:  # masked, but must be finite: a masked score is still computed from it
-                keys[row : row + rows, :, :pad] = 0
-                values[row : row + rows, :, :pad] = 0
+        """key/value_states (rows, kv_heads, 1, head_dim) go to their sessions' caches; returned as they are (the
+        attention takes each session's whole history from self.histories)."""
+        histories, row = [], 0
+        for cache, rows in zip(self.caches, self.rows, strict=True):
+            histories.append(cache.update(key_states[row : row + rows], value_states[row : row + rows], layer_idx))
             row += rows
-        return keys, values
+        self.histories[layer_idx] = histories
+        return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.longest
+        return max(cache.get_seq_length(layer_idx) for cache in self.caches)
 
     @property
     def is_compileable(self) -> bool:  # asked by some attention paths; a dynamic, Python-level cache is not
         return False
+
+
+def sessions_attention(
+    module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+    dropout: float = 0.0, scaling: float | None = None, **kwargs: Any,
+) -> tuple[torch.Tensor, None]:  # fmt: skip
+    """The attention of a batched decode step: query (rows, heads, 1, dim) of all sessions; each session's rows attend
+    over its own cached keys/values (the last `window` of them for a sliding-window layer) by Hugging Face's sdpa
+    attention, called as for that session alone (with the same kind of mask, so it takes the same kernel). Returns
+    (rows, 1, heads, dim), like sdpa_attention_forward."""
+    batch = kwargs.pop("sessions", None)
+    if not isinstance(batch, SessionCaches):
+        raise RuntimeError(f"the {SESSIONS_ATTENTION!r} attention runs only inside decode_batched")
+    layer_idx = int(module.layer_idx)  # type: ignore[arg-type]  # attention modules know their layer's index
+    window = batch.windows.get(layer_idx)
+    outputs, row = [], 0
+    for rows, (keys, values) in zip(batch.rows, batch.histories.pop(layer_idx), strict=True):
+        mask = None
+        if window is not None and keys.shape[-2] > window:
+            # as the session's own sliding-window mask has it: the new token sees the last `window` positions
+            mask = (torch.arange(keys.shape[-2], device=keys.device) >= keys.shape[-2] - window)[None, None, None, :]
+        out, _ = sdpa_attention_forward(
+            module, query[row : row + rows], keys, values, mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+        outputs.append(out)
+        row += rows
+    return (torch.cat(outputs) if len(outputs) > 1 else outputs[0]), None
+
+
+AttentionInterface.register(SESSIONS_ATTENTION, sessions_attention)
 
 
 def decode_batched(
@@ -56,34 +92,31 @@ def decode_batched(
     All sessions use the same LoRA adapter (None: the base model)."""
     span.use_adapter(adapter)
     rows = [h.shape[0] for h in hidden]
-    lengths = [cache.get_seq_length(start) for cache in caches]
-    longest = max(lengths)
     states = torch.cat(list(hidden))  # (sum rows, 1, hidden)
-    row_lengths = torch.tensor([n for n, r in zip(lengths, rows, strict=True) for _ in range(r)], device=states.device)
     # each row continues at its own position
-    position_ids = row_lengths.unsqueeze(1)  # (sum rows, 1)
-    # (sum rows, longest + 1): a row's first longest - length columns are padding
-    columns = torch.arange(longest + 1, device=states.device)
-    hidden_columns = columns.unsqueeze(0) < (longest - row_lengths).unsqueeze(1)
+    position_ids = torch.tensor(
+        [cache.get_seq_length(start) for cache, r in zip(caches, rows, strict=True) for _ in range(r)],
+        device=states.device,
+    ).unsqueeze(1)  # (sum rows, 1)
     kinds = span.layer_kinds[start:end]
-    masks, rotaries = {}, {}
-    for kind in dict.fromkeys(kinds):
-        masked = hidden_columns
-        if kind == SLIDING_ATTENTION:
-            # the new token sees only the last `window` positions, itself included; every row's new token sits in
-            # the last column, so the window is the same columns for all rows
-            masked = masked | (columns < longest + 1 - span.config.sliding_window).unsqueeze(0)
-        mask = torch.zeros(masked.shape, dtype=states.dtype, device=states.device)
-        masks[kind] = mask.masked_fill(masked, torch.finfo(states.dtype).min)[:, None, None, :]
-        rotaries[kind] = span.family.position_embeddings(span.rotary, states, position_ids, kind)
-    stacked = StackedCaches(caches, rows, lengths)
-    for layer, kind in zip(span.layers[start - span.start : end - span.start], kinds, strict=True):
-        states = layer(
-            states,
-            attention_mask=masks[kind],
-            position_ids=position_ids,
-            cache=stacked,
-            use_cache=True,
-            position_embeddings=rotaries[kind],
-        )
+    rotaries = {kind: span.family.position_embeddings(span.rotary, states, position_ids, kind) for kind in kinds}
+    window = getattr(span.config, "sliding_window", None)
+    windows = {start + i: window if kind == SLIDING_ATTENTION else None for i, kind in enumerate(kinds)}
+    batch = SessionCaches(caches, rows, windows)
+    config = span.config
+    usual = config._attn_implementation
+    config._attn_implementation = SESSIONS_ATTENTION  # the compute thread is the span's only user meanwhile
+    try:
+        for layer, kind in zip(span.layers[start - span.start : end - span.start], kinds, strict=True):
+            states = layer(
+                states,
+                attention_mask=None,
+                position_ids=position_ids,
+                cache=batch,
+                use_cache=True,
+                position_embeddings=rotaries[kind],
+                sessions=batch,
+            )
+    finally:
+        config._attn_implementation = usual
     return list(torch.split(states, rows))

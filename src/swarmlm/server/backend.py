@@ -13,6 +13,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from swarmlm.models.batched import decode_batched
+from swarmlm.models.growing_cache import GrowingCache
 from swarmlm.models.lora import linear_shapes
 from swarmlm.models.span import SpanModel
 from swarmlm.protocol.bundle import SpanTensors
@@ -229,7 +230,7 @@ class SpanBackend:
 
     def measure_inference_throughput(self, past: int = 32, repeats: int = 5) -> float:
         """One-token decode steps per second through one block with `past` tokens cached, measured at start-up."""
-        cache = DynamicCache()
+        cache = GrowingCache()
         start, end = self.span.start, self.span.end
         self._step(cache, start, end, SpanTensors(torch.randn(1, past, self.limits.hidden_size)), past, None)
         token = SpanTensors(torch.randn(1, 1, self.limits.hidden_size))

@@ -13,6 +13,7 @@ from hivemind.proto import runtime_pb2
 from transformers.cache_utils import DynamicCache
 
 from swarmlm.errors import ProtocolError
+from swarmlm.models.growing_cache import GrowingCache
 from swarmlm.protocol.bundle import SpanTensors
 from swarmlm.protocol.codec import drain, encode, read_message
 from swarmlm.protocol.lora import LoraWeights
@@ -167,7 +168,7 @@ class InferenceSessions:
         self, requests: AsyncIterator, session: InferenceOpen, peer: str, inbox: asyncio.Queue[Message] | None,
         held: _HeldLora,
     ) -> Replies:  # fmt: skip
-        cache = DynamicCache()
+        cache = GrowingCache(max_tokens=session.max_length)
         reader = _Reader(requests, self.max_message_bytes)
         pushed_to: set[str] = set()  # sessions this one pushed steps to (their streams close with it)
         try:
