@@ -1,0 +1,59 @@
+"""Benchmark: one server's batched decode step against its sessions' steps one by one, by history length.
+
+A server's span (half of SmolLM2's blocks, fp32, one torch thread by default) holds sessions with `--past` cached
+tokens each; prints, per history length and number of sessions, the time of one batched decode step (every session
+adds one token, decode_batched) against the same sessions stepping one after another through the span alone, and
+their ratio (below 1: the batch saves time). Each time is the fastest of --repeats, the two ways taking turns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from swarmlm.models.batched import decode_batched
+from swarmlm.models.growing_cache import GrowingCache
+from swarmlm.models.loading import DEFAULT_MODEL, load_config, resolve_model
+from swarmlm.models.span import SpanModel
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (a server's share of the cores)")
+    parser.add_argument("--past", type=int, nargs="+", default=[60, 500, 1500], help="cached tokens per session")
+    parser.add_argument("--sessions", type=int, nargs="+", default=[1, 4, 8])
+    parser.add_argument("--repeats", type=int, default=8)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model_dir = resolve_model(args.model)
+    blocks = load_config(model_dir).num_hidden_layers // 2
+    span = SpanModel.from_dir(model_dir, 0, blocks)
+    hidden_size = span.config.hidden_size
+    print(f"model {args.model}, blocks 0:{blocks} (fp32), {args.threads} torch thread(s); ms per decode step")
+    print(f"\n{'cached tokens':>14}{'sessions':>10}{'batched':>10}{'one by one':>12}{'ratio':>8}")
+    with torch.inference_mode():
+        for past in args.past:
+            for count in args.sessions:
+                caches = []
+                for i in range(count):  # histories of slightly different lengths, as real sessions have
+                    cache = GrowingCache()
+                    span(torch.randn(1, past + i, hidden_size), cache=cache)
+                    caches.append(cache)
+                batched = alone = float("inf")
+                for _ in range(args.repeats):
+                    tokens = [torch.randn(1, 1, hidden_size) for _ in caches]
+                    began = time.perf_counter()
+                    decode_batched(span, tokens, caches, 0, blocks)
+                    batched = min(batched, time.perf_counter() - began)
+                    began = time.perf_counter()
+                    for token, cache in zip(tokens, caches, strict=True):
+                        span(token, cache=cache)
+                    alone = min(alone, time.perf_counter() - began)
+                print(f"{past:>14}{count:>10}{batched * 1000:>10.1f}{alone * 1000:>12.1f}{batched / alone:>8.2f}")
+
+
+if __name__ == "__main__":
+    main()
