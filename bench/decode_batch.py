@@ -4,6 +4,9 @@ A server's span (half of SmolLM2's blocks, fp32, one torch thread by default) ho
 tokens each; prints, per history length and number of sessions, the time of one batched decode step (every session
 adds one token, decode_batched) against the same sessions stepping one after another through the span alone, and
 their ratio (below 1: the batch saves time). Each time is the fastest of --repeats, the two ways taking turns.
+--row-major stores the Linear weights as checkpoints do, instead of the column-major layout servers use on a CPU;
+--hf-cache gives the sessions Hugging Face's DynamicCache (which copies a layer's history at every step) instead of
+the servers' GrowingCache.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import argparse
 import time
 
 import torch
+from transformers.cache_utils import DynamicCache
 
 from swarmlm.models.batched import decode_batched
 from swarmlm.models.growing_cache import GrowingCache
@@ -26,20 +30,29 @@ def main() -> None:
     parser.add_argument("--past", type=int, nargs="+", default=[60, 500, 1500], help="cached tokens per session")
     parser.add_argument("--sessions", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--repeats", type=int, default=8)
+    parser.add_argument("--row-major", action="store_true", help="Linear weights row-major, as stored")
+    parser.add_argument("--hf-cache", action="store_true", help="sessions in DynamicCache, not GrowingCache")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = resolve_model(args.model)
     blocks = load_config(model_dir).num_hidden_layers // 2
     span = SpanModel.from_dir(model_dir, 0, blocks)
+    if args.row_major:
+        for module in span.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight = torch.nn.Parameter(module.weight.detach().contiguous(), requires_grad=False)
+    layout = "row-major" if args.row_major else "column-major"
+    cache_kind = "DynamicCache" if args.hf_cache else "GrowingCache"
     hidden_size = span.config.hidden_size
-    print(f"model {args.model}, blocks 0:{blocks} (fp32), {args.threads} torch thread(s); ms per decode step")
+    print(f"model {args.model}, blocks 0:{blocks} (fp32, {layout} Linear weights), sessions in {cache_kind}, "
+          f"{args.threads} torch thread(s); ms per decode step")
     print(f"\n{'cached tokens':>14}{'sessions':>10}{'batched':>10}{'one by one':>12}{'ratio':>8}")
     with torch.inference_mode():
         for past in args.past:
             for count in args.sessions:
                 caches = []
                 for i in range(count):  # histories of slightly different lengths, as real sessions have
-                    cache = GrowingCache()
+                    cache = DynamicCache() if args.hf_cache else GrowingCache()
                     span(torch.randn(1, past + i, hidden_size), cache=cache)
                     caches.append(cache)
                 batched = alone = float("inf")

@@ -99,7 +99,9 @@ def decode_batched(
         device=states.device,
     ).unsqueeze(1)  # (sum rows, 1)
     kinds = span.layer_kinds[start:end]
-    rotaries = {kind: span.family.position_embeddings(span.rotary, states, position_ids, kind) for kind in kinds}
+    rotaries = {  # each kind once: every layer of a kind gets the same
+        kind: span.family.position_embeddings(span.rotary, states, position_ids, kind) for kind in dict.fromkeys(kinds)
+    }
     window = getattr(span.config, "sliding_window", None)
     windows = {start + i: window if kind == SLIDING_ATTENTION else None for i, kind in enumerate(kinds)}
     batch = SessionCaches(caches, rows, windows)

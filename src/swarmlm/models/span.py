@@ -129,20 +129,17 @@ class SpanModel(nn.Module):
             select_adapter(self, adapter)
 
 
-def column_major_linears(module: nn.Module) -> int:
-    """Store every nn.Linear weight inside `module` column-major, in place; returns how many were changed.
+def column_major_linears(module: nn.Module) -> None:
+    """Store every nn.Linear weight inside `module` column-major, in place.
 
     The weight stays an (out, in) tensor to every reader (LoRA, quantization, state dicts); only its memory is the
-    transpose's. A Linear computes x @ weight.T, and CPU BLAS multiplies a few rows (a batch of decode steps) by a
-    row-major (in, out) matrix faster than by a transposed one: measured on float32 AVX-512 with one thread, 15
-    SmolLM2 blocks' Linears take 20-27% less time for 4-8 rows, and the same for 1-3 rows or thousands.
+    transpose's. A Linear computes x @ weight.T, and CPU BLAS (MKL) multiplies a few rows (a batch of decode steps)
+    by a row-major (in, out) matrix faster than by a transposed one, and as fast for one row or thousands
+    (`python bench/decode_batch.py --row-major` shows the difference).
     """
-    changed = 0
     for child in module.modules():
         if type(child) is nn.Linear and child.weight.is_contiguous():
             child.weight = nn.Parameter(child.weight.detach().t().contiguous().t(), requires_grad=False)
-            changed += 1
-    return changed
 
 
 def add_prompt(hidden: torch.Tensor, prompt: torch.Tensor, past: int = 0) -> torch.Tensor:
