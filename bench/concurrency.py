@@ -14,6 +14,7 @@ import os
 import statistics
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import torch
@@ -86,6 +87,12 @@ def cpu_seconds() -> dict[str, float]:
             role = f"server {command.split('--blocks ')[1].split()[0]}"
         roles[role] = roles.get(role, 0.0) + times.user + times.system
     return roles
+
+
+def batch_sizes(log_path: Path) -> list[int]:
+    """Sessions of each batched decode step a server logged so far, in order."""
+    lines = log_path.read_text(errors="replace").splitlines()
+    return [int(line.split(BATCH_LINE)[1].split()[0]) for line in lines if BATCH_LINE in line]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -166,10 +173,12 @@ def main() -> None:
             gaps: dict[int, list[float]] = {n: [] for n in counts}
             spent: dict[int, dict[str, float]] = {n: {} for n in counts}
             rows: dict[int, list[int]] = {n: [0, 0] for n in counts}  # head rows, head products
+            sizes: dict[int, list[int]] = {n: [] for n in counts}  # sessions of each server decode batch
             head = m._head_batcher
             for _ in range(args.repeats):  # rounds of 1, 4, 8 users: drift of the machine touches all alike
                 for users in counts:
                     before, head_before = cpu_seconds(), (head.batches, head.rows)
+                    logged = [len(batch_sizes(server.log_path)) for server in swarm.servers]
                     rate, user_gaps, outputs = together(m, inputs[:users], args.new_tokens)
                     after = cpu_seconds()
                     if outputs != expected[:users]:
@@ -180,18 +189,14 @@ def main() -> None:
                         spent[users][role] = spent[users].get(role, 0.0) + after[role] - before.get(role, 0.0)
                     rows[users][0] += head.rows - head_before[1]
                     rows[users][1] += head.batches - head_before[0]
+                    for server, seen in zip(swarm.servers, logged, strict=True):
+                        sizes[users].extend(batch_sizes(server.log_path)[seen:])
             runs = {
                 n: (statistics.median(rates[n]), percentile(gaps[n], 0.5), percentile(gaps[n], 0.95)) for n in counts
             }
             tokens = {n: args.repeats * n * args.new_tokens for n in counts}
             cpu = {n: {role: 1000 * s / tokens[n] for role, s in spent[n].items()} for n in counts}
             heads = {n: rows[n][0] / max(1, rows[n][1]) for n in counts}
-            batches = [
-                int(line.split(BATCH_LINE)[1].split()[0])
-                for server in swarm.servers
-                for line in server.log_path.read_text(errors="replace").splitlines()
-                if BATCH_LINE in line
-            ]
             alone = decode_gap(m, inputs[1], args.new_tokens)
             with AutoDistributedModelForCausalLM.from_pretrained(
                 str(model_dir), initial_peers=swarm.initial_peers
@@ -217,9 +222,10 @@ def main() -> None:
     for users, by_role in cpu.items():
         print(f"  {users} user(s): " + "  ".join(f"{by_role.get(r, 0.0):6.1f}" for r in roles)
               + f"  {sum(by_role.values()):6.1f}   (client LM head: {heads[users]:.1f} rows per product)")  # fmt: skip
-    if batches:
-        print(f"decode steps batched on the servers: {len(batches)} batches, median {statistics.median(batches):.0f}"
-              f" and at most {max(batches)} sessions each")  # fmt: skip
+    print("sessions per batched decode step on the servers (steps of one session alone not counted):")
+    for users, batched in sizes.items():
+        print(f"  {users} user(s): " + (f"{len(batched)} batches, median {statistics.median(batched):.0f}, at most "
+                                      f"{max(batched)}" if batched else "none"))  # fmt: skip
     print(f"\ndecode gap of one user, median: {alone * 1000:.0f} ms alone, {loaded * 1000:.0f} ms while another client"
           f" runs {args.train_tokens}-token forward/backward passes ({len(passes)} passes, median "
           f"{statistics.median(passes) if passes else float('nan'):.1f} s): ratio {loaded / alone:.2f}")  # fmt: skip
