@@ -56,3 +56,28 @@ def test_cpu_float32_spans_keep_linear_weights_column_major_with_their_values(ti
         assert not weight.requires_grad
     half = SpanModel.from_dir(tiny_model_dir, 1, 3, dtype=torch.bfloat16)
     assert all(m.weight.is_contiguous() for m in half.layers.modules() if type(m) is torch.nn.Linear)
+
+
+def test_which_steps_may_share_a_forward() -> None:
+    """One new token per row after the session's history may join a batch, with a padded batch's mask and its rows'
+    positions; a mask that hides a row's new token or does not cover history + 1, a rollback or beam reorder, and a
+    step of several tokens run alone."""
+    from swarmlm.protocol.bundle import SpanTensors
+    from swarmlm.server.backend import _plain_decode
+
+    cache = DynamicCache()
+    cache.update(torch.zeros(2, 1, 5, 4), torch.zeros(2, 1, 5, 4), 0)  # 5 tokens of history, 2 rows
+    token = torch.zeros(2, 1, 8)
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    positions = torch.tensor([[3], [5]])
+    assert _plain_decode(cache, 0, SpanTensors(token), None)
+    assert _plain_decode(cache, 0, SpanTensors(token), 5)
+    assert _plain_decode(cache, 0, SpanTensors(token, attention_mask=mask, position_ids=positions), None)
+    hidden_new = mask.clone()
+    hidden_new[0, -1] = 0
+    assert not _plain_decode(cache, 0, SpanTensors(token, attention_mask=hidden_new), None)
+    assert not _plain_decode(cache, 0, SpanTensors(token, attention_mask=mask[:, 1:]), None)
+    assert not _plain_decode(cache, 0, SpanTensors(token), 4)  # a rollback
+    assert not _plain_decode(cache, 0, SpanTensors(token, hypo_ids=torch.tensor([1, 0])), None)
+    assert not _plain_decode(cache, 0, SpanTensors(torch.zeros(2, 2, 8)), None)
+    assert not _plain_decode(cache, 0, SpanTensors(token, position_ids=torch.tensor([[3, 4], [5, 6]])), None)

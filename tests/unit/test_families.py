@@ -83,6 +83,41 @@ def test_batched_decode_equals_each_session_alone(family_dir: Path) -> None:
             assert all(close(g, e) for g, e in zip(got, expected, strict=True))
 
 
+def test_batched_decode_of_left_padded_sessions_equals_each_alone(family_dir: Path) -> None:
+    """A session generating for a left-padded batch of prompts sends its mask and its rows' positions with every
+    step; such steps batch with other sessions' and give each what it gets alone."""
+    torch.manual_seed(3)
+    span = SpanModel.from_dir(family_dir, 1, 4)
+    hidden_size = span.config.hidden_size
+    # (prompt length, left padding of each row): padded rows beside plain ones, shorter and longer than the window
+    sessions = [(WINDOW, [0]), (2 * WINDOW + 1, [3, 0]), (3, [0, 2]), (2, [1])]
+    alone, batched, masks, positions = [], [], [], []
+    with torch.inference_mode():
+        for length, pads in sessions:
+            mask = torch.ones(len(pads), length, dtype=torch.long)
+            for row, pad in enumerate(pads):
+                mask[row, :pad] = 0
+            position = (mask.cumsum(-1) - 1).clamp(min=0)
+            prefix = torch.randn(len(pads), length, hidden_size)
+            caches = [DynamicCache(), DynamicCache()]
+            for cache in caches:
+                span(prefix, cache=cache, attention_mask=mask, position_ids=position)
+            alone.append(caches[0])
+            batched.append(caches[1])
+            masks.append(mask)
+            positions.append(position[:, -1:])
+        for _ in range(WINDOW + 1):  # steps that carry every session past the window
+            masks = [torch.cat([m, torch.ones(len(m), 1, dtype=m.dtype)], dim=1) for m in masks]
+            positions = [p + 1 for p in positions]
+            tokens = [torch.randn(len(m), 1, hidden_size) for m in masks]
+            expected = [
+                span(t, cache=c, attention_mask=m, position_ids=p)
+                for t, c, m, p in zip(tokens, alone, masks, positions, strict=True)
+            ]
+            got = decode_batched(span, tokens, batched, 1, 4, None, masks, positions)
+            assert all(close(g, e) for g, e in zip(got, expected, strict=True))
+
+
 def test_windows_and_layer_kinds_come_from_the_family() -> None:
     kinds = {name: get_family(tiny_config(name)).layer_kinds(tiny_config(name)) for name in FAMILIES}
     assert kinds["mistral"] == [SLIDING_ATTENTION] * 4

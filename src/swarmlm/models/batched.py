@@ -28,9 +28,15 @@ class SessionCaches:
     """The `cache=` of a batched decode step: each layer's update goes to every session's own cache, and the layer's
     attention (sessions_attention) reads each session's keys/values from there."""
 
-    def __init__(self, caches: Sequence[DynamicCache], rows: Sequence[int], windows: dict[int, int | None]):
-        """windows: by global layer index, how many of the last positions a new token sees (None: all)."""
+    def __init__(
+        self, caches: Sequence[DynamicCache], rows: Sequence[int], windows: dict[int, int | None],
+        masks: Sequence[torch.Tensor | None] | None = None,
+    ):  # fmt: skip
+        """windows: by global layer index, how many of the last positions a new token sees (None: all). masks: each
+        session's padding mask over its history and new token, (rows, history + 1) bool, True where the new token
+        may attend (None: everywhere)."""
         self.caches, self.rows, self.windows = list(caches), list(rows), windows
+        self.masks = list(masks) if masks is not None else [None] * len(self.caches)
         self.histories: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # by layer, until its attention
 
     def update(
@@ -67,11 +73,12 @@ def sessions_attention(
     layer_idx = int(module.layer_idx)  # type: ignore[arg-type]  # attention modules know their layer's index
     window = batch.windows.get(layer_idx)
     outputs, row = [], 0
-    for rows, (keys, values) in zip(batch.rows, batch.histories.pop(layer_idx), strict=True):
-        mask = None
+    for rows, (keys, values), padding in zip(batch.rows, batch.histories.pop(layer_idx), batch.masks, strict=True):
+        mask = None if padding is None else padding[:, None, None, :]
         if window is not None and keys.shape[-2] > window:
             # as the session's own sliding-window mask has it: the new token sees the last `window` positions
-            mask = (torch.arange(keys.shape[-2], device=keys.device) >= keys.shape[-2] - window)[None, None, None, :]
+            recent = (torch.arange(keys.shape[-2], device=keys.device) >= keys.shape[-2] - window)[None, None, None, :]
+            mask = recent if mask is None else mask & recent
         out, _ = sdpa_attention_forward(
             module, query[row : row + rows], keys, values, mask, dropout=dropout, scaling=scaling, **kwargs
         )
@@ -85,26 +92,31 @@ AttentionInterface.register(SESSIONS_ATTENTION, sessions_attention)
 
 def decode_batched(
     span: SpanModel, hidden: Sequence[torch.Tensor], caches: Sequence[DynamicCache], start: int, end: int,
-    adapter: str | None = None,
+    adapter: str | None = None, masks: Sequence[torch.Tensor | None] | None = None,
+    positions: Sequence[torch.Tensor | None] | None = None,
 ) -> list[torch.Tensor]:  # fmt: skip
     """hidden[i] (rows_i, 1, hidden) is one new token of the session owning caches[i]; returns each session's output
     (rows_i, 1, hidden) after blocks [start, end), as if it had run alone, and appends its token to its own cache.
-    All sessions use the same LoRA adapter (None: the base model)."""
+    All sessions use the same LoRA adapter (None: the base model). masks[i]: the session's attention mask over its
+    history and the new token, (rows_i, history + 1), as a padded batch of prompts has it (None: no padding);
+    positions[i]: its rows' position ids (rows_i, 1) (None: the history's length)."""
     span.use_adapter(adapter)
     rows = [h.shape[0] for h in hidden]
     states = torch.cat(list(hidden))  # (sum rows, 1, hidden)
     # each row continues at its own position
-    position_ids = torch.tensor(
-        [cache.get_seq_length(start) for cache, r in zip(caches, rows, strict=True) for _ in range(r)],
-        device=states.device,
-    ).unsqueeze(1)  # (sum rows, 1)
+    given = list(positions) if positions is not None else [None] * len(caches)
+    position_ids = torch.cat([
+        torch.full((r, 1), cache.get_seq_length(start), dtype=torch.long) if p is None else p.reshape(r, 1).long()
+        for cache, r, p in zip(caches, rows, given, strict=True)
+    ]).to(states.device)  # (sum rows, 1)  # fmt: skip
+    bool_masks = None if masks is None else [None if m is None else m.to(states.device).bool() for m in masks]
     kinds = span.layer_kinds[start:end]
     rotaries = {  # each kind once: every layer of a kind gets the same
         kind: span.family.position_embeddings(span.rotary, states, position_ids, kind) for kind in dict.fromkeys(kinds)
     }
     window = getattr(span.config, "sliding_window", None)
     windows = {start + i: window if kind == SLIDING_ATTENTION else None for i, kind in enumerate(kinds)}
-    batch = SessionCaches(caches, rows, windows)
+    batch = SessionCaches(caches, rows, windows, bool_masks)
     config = span.config
     usual = config._attn_implementation
     config._attn_implementation = SESSIONS_ATTENTION  # the compute thread is the span's only user meanwhile

@@ -164,7 +164,9 @@ class SpanBackend:
         with the session's own LoRA weights runs alone (never batched with other sessions' steps)."""
         run = functools.partial(self._step, cache, start, end, inputs, chunk_tokens, start_from, adapter, lora)
         plain = lora is None and _plain_decode(cache, start, inputs, start_from)
-        decode = DecodeStep(start, end, inputs.hidden, cache, adapter) if plain else None
+        decode = None
+        if plain:
+            decode = DecodeStep(start, end, inputs.hidden, cache, adapter, inputs.attention_mask, inputs.position_ids)
         result: tuple[list[torch.Tensor], float] = await self.scheduler.submit(Kind.INFERENCE, peer, run, decode)
         return result
 
@@ -180,7 +182,9 @@ class SpanBackend:
             hidden = [step.hidden.to(self.device, self.dtype) for step in steps]
             # the scheduler batches only steps with the same adapter
             caches = [step.cache for step in steps]
-            outputs = decode_batched(self.span, hidden, caches, start, end, steps[0].adapter)
+            masks = [step.mask for step in steps] if any(step.mask is not None for step in steps) else None
+            positions = [step.positions for step in steps] if any(s.positions is not None for s in steps) else None
+            outputs = decode_batched(self.span, hidden, caches, start, end, steps[0].adapter, masks, positions)
             results = [out.to("cpu", step.hidden.dtype) for out, step in zip(outputs, steps, strict=True)]
         compute_ms = (time.perf_counter() - began) * 1000
         logger.info("inference batch sessions=%d blocks=%d:%d rows=%d %.1f ms", len(steps), start, end,
@@ -242,18 +246,21 @@ class SpanBackend:
 
 
 def _plain_decode(cache: DynamicCache, start: int, inputs: SpanTensors, start_from: int | None) -> bool:
-    """A step that may share a forward with other sessions': one new token per row at the session's own next
-    position, no mask, prompts, LoRA weights, reordering or rollback (anything else runs alone)."""
+    """A step that may share a forward with other sessions': one new token per row after the session's history,
+    with no prompts, LoRA weights, reordering or rollback (anything else runs alone). A padded batch's mask (over
+    the history and the new token, which each row sees) and its rows' own positions go with the step."""
+    rows = inputs.hidden.shape[0]
     if inputs.hidden.shape[1] != 1 or inputs.hypo_ids is not None or inputs.prompts is not None:
         return False
-    if inputs.lora is not None:
-        return False
-    if inputs.attention_mask is not None or inputs.grad_outputs is not None:
+    if inputs.lora is not None or inputs.grad_outputs is not None:
         return False
     past = cache.get_seq_length(start)
     if start_from is not None and start_from != past:
         return False
-    return inputs.position_ids is None or bool((inputs.position_ids == past).all())
+    mask = inputs.attention_mask
+    if mask is not None and (tuple(mask.shape) != (rows, past + 1) or not bool(mask[:, -1].all())):
+        return False
+    return inputs.position_ids is None or tuple(inputs.position_ids.shape) == (rows, 1)
 
 
 @contextlib.contextmanager

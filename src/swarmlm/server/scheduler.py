@@ -42,6 +42,8 @@ class DecodeStep:
     hidden: torch.Tensor  # (rows, 1, hidden), as received
     cache: DynamicCache  # the session's own cache, which the step extends by one token
     adapter: str | None = None  # the session's LoRA adapter: only steps with the same one share a forward
+    mask: torch.Tensor | None = None  # (rows, history + 1): the session's padding mask (None: no padding)
+    positions: torch.Tensor | None = None  # (rows, 1): the rows' position ids (None: the history's length)
 
     @property
     def rows(self) -> int:
