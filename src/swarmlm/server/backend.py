@@ -182,8 +182,7 @@ class SpanBackend:
             hidden = [step.hidden.to(self.device, self.dtype) for step in steps]
             # the scheduler batches only steps with the same adapter
             caches = [step.cache for step in steps]
-            masks = [step.mask for step in steps] if any(step.mask is not None for step in steps) else None
-            positions = [step.positions for step in steps] if any(s.positions is not None for s in steps) else None
+            masks, positions = [step.mask for step in steps], [step.positions for step in steps]  # None: the usual
             outputs = decode_batched(self.span, hidden, caches, start, end, steps[0].adapter, masks, positions)
             results = [out.to("cpu", step.hidden.dtype) for out, step in zip(outputs, steps, strict=True)]
         compute_ms = (time.perf_counter() - began) * 1000
