@@ -57,9 +57,9 @@ def greedy(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, streamer:
 
 def together(
     model: torch.nn.Module, inputs: list[torch.Tensor], new_tokens: int
-) -> tuple[float, list[float], list[list[int]]]:
-    """Aggregate new tokens/s of all prompts generated at once (one thread each), every user's gaps between
-    tokens, and the outputs."""
+) -> tuple[float, float, list[float], list[list[int]]]:
+    """Aggregate new tokens/s of all prompts generated at once (one thread each), the aggregate while all of them
+    decode (steady_rate), every user's gaps between tokens, and the outputs."""
     outputs: list[list[int]] = [[] for _ in inputs]
     clocks = [Gaps() for _ in inputs]
 
@@ -73,7 +73,18 @@ def together(
     for thread in threads:
         thread.join()
     rate = len(inputs) * new_tokens / (time.perf_counter() - began)
-    return rate, [gap for clock in clocks for gap in clock.gaps()], outputs
+    return rate, steady_rate(clocks), [gap for clock in clocks for gap in clock.gaps()], outputs
+
+
+def steady_rate(clocks: list[Gaps]) -> float:
+    """New tokens/s of all users together while every one of them is decoding: from the moment the last user got
+    its first token (every prompt has been processed) to the moment the first user got its last one. Prompts and
+    the ramps at either end, where fewer users are decoding, are left out. NaN when that window is empty."""
+    tokens = [clock.times[1:] for clock in clocks]  # times[0]: the prompt
+    begin, end = max(times[0] for times in tokens), min(times[-1] for times in tokens)
+    if end <= begin:
+        return float("nan")
+    return sum(1 for times in tokens for t in times if begin < t <= end) / (end - begin)
 
 
 def cpu_seconds() -> dict[str, float]:
@@ -161,9 +172,10 @@ def main() -> None:
 
     local = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa", dtype=torch.float32).eval()
     greedy(local, inputs[0], 4)  # warm-up
-    began = time.perf_counter()
-    expected = [greedy(local, ids, args.new_tokens) for ids in inputs]
+    began, clocks = time.perf_counter(), [Gaps() for _ in inputs]
+    expected = [greedy(local, ids, args.new_tokens, clock) for ids, clock in zip(inputs, clocks, strict=True)]
     local_rate = len(inputs) * args.new_tokens / (time.perf_counter() - began)
+    local_decode = sum(len(c.times) - 2 for c in clocks) / sum(c.times[-1] - c.times[1] for c in clocks)
     del local
 
     server_args = [] if args.decode_wait_ms is None else ["--decode-wait-ms", str(args.decode_wait_ms)]
@@ -173,6 +185,7 @@ def main() -> None:
             greedy(m, inputs[0], 4)  # warm-up: routes measured, connections open
             counts = (1, 4, len(inputs))
             rates: dict[int, list[float]] = {n: [] for n in counts}
+            steady: dict[int, list[float]] = {n: [] for n in counts}  # while all users decode
             gaps: dict[int, list[float]] = {n: [] for n in counts}
             spent: dict[int, dict[str, float]] = {n: {} for n in counts}
             rows: dict[int, list[int]] = {n: [0, 0] for n in counts}  # head rows, head products
@@ -182,11 +195,12 @@ def main() -> None:
                 for users in counts:
                     before, head_before = cpu_seconds(), (head.batches, head.rows)
                     logged = [len(batch_sizes(server.log_path)) for server in swarm.servers]
-                    rate, user_gaps, outputs = together(m, inputs[:users], args.new_tokens)
+                    rate, decoding, user_gaps, outputs = together(m, inputs[:users], args.new_tokens)
                     after = cpu_seconds()
                     if outputs != expected[:users]:
                         raise SystemExit("the swarm generated other tokens than the local model")
                     rates[users].append(rate)
+                    steady[users].append(decoding)
                     gaps[users].extend(user_gaps)
                     for role in after:
                         spent[users][role] = spent[users].get(role, 0.0) + after[role] - before.get(role, 0.0)
@@ -195,8 +209,10 @@ def main() -> None:
                     for server, seen in zip(swarm.servers, logged, strict=True):
                         sizes[users].extend(batch_sizes(server.log_path)[seen:])
             runs = {
-                n: (statistics.median(rates[n]), percentile(gaps[n], 0.5), percentile(gaps[n], 0.95)) for n in counts
-            }
+                n: (statistics.median(rates[n]), statistics.median(steady[n]), percentile(gaps[n], 0.5),
+                    percentile(gaps[n], 0.95))
+                for n in counts
+            }  # fmt: skip
             tokens = {n: args.repeats * n * args.new_tokens for n in counts}
             cpu = {n: {role: 1000 * s / tokens[n] for role, s in spent[n].items()} for n in counts}
             heads = {n: rows[n][0] / max(1, rows[n][1]) for n in counts}
@@ -212,14 +228,19 @@ def main() -> None:
                 stop.set()
                 load.join()
 
-    print(f"\n{'run':<40}{'tokens/s':>10}{'ratio':>8}{'vs 1 user':>11}{'p50 ms':>8}{'p95 ms':>8}")
-    print(f"{'local, the 8 prompts one after another':<40}{local_rate:>10.1f}{1.0:>8.2f}")
-    for users, (rate, p50, p95) in runs.items():
+    print(f"\n{'run':<40}{'tokens/s':>10}{'ratio':>8}{'vs 1 user':>11}{'decoding':>10}{'vs 1 user':>11}"
+          f"{'p50 ms':>8}{'p95 ms':>8}")  # fmt: skip
+    print(f"{'local, the 8 prompts one after another':<40}{local_rate:>10.1f}{1.0:>8.2f}{'':>11}{local_decode:>10.1f}")
+    for users, (rate, decoding, p50, p95) in runs.items():
         name = f"swarm (2 servers), {users} user(s) at once"
-        print(f"{name:<40}{rate:>10.1f}{rate / local_rate:>8.2f}{rate / runs[1][0]:>11.2f}"
-              f"{p50 * 1000:>8.0f}{p95 * 1000:>8.0f}")  # fmt: skip
-    print(f"(tokens/s: medians of {args.repeats} rounds; {counts[-1]} users vs 1 round by round: "
-          + ", ".join(f"{many / one:.2f}" for one, many in zip(rates[1], rates[counts[-1]], strict=True)) + ")")
+        print(f"{name:<40}{rate:>10.1f}{rate / local_rate:>8.2f}{rate / runs[1][0]:>11.2f}{decoding:>10.1f}"
+              f"{decoding / runs[1][1]:>11.2f}{p50 * 1000:>8.0f}{p95 * 1000:>8.0f}")  # fmt: skip
+    many = counts[-1]
+    print(f"(tokens/s: new tokens / wall time, prompts included; decoding: tokens/s while every user is decoding, "
+          f"from the last user's first token to the first user's last. Medians of {args.repeats} rounds; {many} users "
+          "vs 1 round by round: "
+          + ", ".join(f"{b / a:.2f}" for a, b in zip(rates[1], rates[many], strict=True)) + "; decoding "
+          + ", ".join(f"{b / a:.2f}" for a, b in zip(steady[1], steady[many], strict=True)) + ")")  # fmt: skip
     roles = sorted(cpu[len(inputs)])
     print(f"\nCPU ms per generated token (prompts included), by process: {', '.join(roles)}, total")
     for users, by_role in cpu.items():
