@@ -8,11 +8,14 @@ from collections.abc import AsyncIterator, Iterable
 import msgpack
 import pytest
 import torch
+from hivemind.p2p import P2P
 from hivemind.proto import runtime_pb2
+from hivemind.proto.p2pd_pb2 import RPCError
 
 from swarmlm.errors import ProtocolError
 from swarmlm.protocol.bundle import SpanTensors, check_names
 from swarmlm.protocol.codec import CHUNK_BYTES, encode, read_message, read_only_message
+from swarmlm.protocol.frames import send_frames
 from swarmlm.protocol.messages import PROTOCOL_VERSION, ForwardRequest, ReplyHeader
 
 
@@ -124,3 +127,39 @@ def test_a_bundle_splits_into_rows_with_its_per_sample_prompts() -> None:
     assert torch.equal(rows.prompts, bundle.prompts[:, 1:3])
     shared = SpanTensors(torch.randn(4, 3, 8), prompts=torch.randn(2, 1, 8)).select_rows(0, 1)
     assert shared.prompts.shape == (2, 1, 8)  # prompts shared by all rows stay whole
+
+
+class _Writes:
+    """The writing end of a stream, as asyncio's StreamWriter is used by the framing: it keeps each write's bytes."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(bytes(data))
+
+    async def drain(self) -> None:
+        return None
+
+
+def test_frames_are_hiveminds_bytes_written_in_one_call() -> None:
+    parts = list(encode(ForwardRequest(start_block=0, end_block=1), [torch.randn(2, 3)], runtime_pb2.ExpertRequest))
+    messages = [*parts, RPCError(message="done")]
+    ours, theirs = _Writes(), _Writes()
+
+    async def write_both() -> None:
+        await send_frames(ours, messages)  # type: ignore[arg-type]
+        for message in messages:
+            await P2P.send_protobuf(message, theirs)  # type: ignore[arg-type]
+
+    asyncio.run(write_both())
+    assert len(ours.writes) == 1 and ours.writes[0] == b"".join(theirs.writes)
+
+    async def read_back() -> list:
+        reader = asyncio.StreamReader()
+        reader.feed_data(ours.writes[0])
+        reader.feed_eof()
+        return [await P2P.receive_protobuf(runtime_pb2.ExpertRequest, reader) for _ in messages]
+
+    got = asyncio.run(read_back())
+    assert [message for message, _ in got[:-1]] == parts and got[-1][1].message == "done"

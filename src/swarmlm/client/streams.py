@@ -18,6 +18,7 @@ from hivemind.proto import runtime_pb2
 from hivemind.proto.p2pd_pb2 import RPCError
 
 from swarmlm.errors import ProtocolError
+from swarmlm.protocol.frames import send_frames
 from swarmlm.protocol.service import SpanService
 
 # largest reply frame read: our parts carry at most 1 MiB of tensors and a small header (servers allow 4 MB too)
@@ -36,12 +37,11 @@ class PeerStream:
         return cls(reader, writer, method)
 
     async def send(self, parts: Iterable[runtime_pb2.ExpertRequest]) -> None:
-        for part in parts:
-            await P2P.send_protobuf(part, self.writer)
+        await send_frames(self.writer, parts)
 
     async def end(self) -> None:
         """Tell the server no more requests follow (hivemind's end of stream: an empty error frame)."""
-        await P2P.send_protobuf(P2P.END_OF_STREAM, self.writer)
+        await send_frames(self.writer, [P2P.END_OF_STREAM])
 
     async def replies(self) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """Reply parts until the server ends the stream; ConnectionError as soon as the connection is lost mid-frame,

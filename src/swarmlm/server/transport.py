@@ -36,6 +36,7 @@ from hivemind.proto.p2pd_pb2 import RPCError
 
 from swarmlm.errors import ProtocolError
 from swarmlm.protocol.codec import MAX_CHUNKS_PER_PART
+from swarmlm.protocol.frames import send_frames
 from swarmlm.protocol.service import CLOSE_LINGER_S, SpanService
 from swarmlm.server.membership import Members, refuse_outsider
 from swarmlm.server.peers import LimitError, PeerLedger, short
@@ -252,7 +253,7 @@ async def _answer(
         logger.warning("handler failed peer=...%s: %s", stream.peer[-6:], short(f"{type(e).__name__}: {e}"))
         with contextlib.suppress(Exception):
             error = RPCError(message=short(f"{type(e).__name__}: {e}"))
-            await asyncio.wait_for(P2P.send_protobuf(error, writer), limits.write_timeout_s)
+            await asyncio.wait_for(send_frames(writer, [error]), limits.write_timeout_s)
 
 
 async def _send_all(
@@ -264,7 +265,7 @@ async def _send_all(
             stream.answered()
             stream.reply_after_end = stream.ended
             try:
-                await asyncio.wait_for(P2P.send_protobuf(reply, writer), limits.write_timeout_s)
+                await asyncio.wait_for(send_frames(writer, [reply]), limits.write_timeout_s)
             except TimeoutError:
                 logger.warning("peer ...%s did not read a reply in %.0f s: closing its stream",
                                stream.peer[-6:], limits.write_timeout_s)  # fmt: skip
