@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+from swarmlm.client import head_batching
 from swarmlm.client.head_batching import HeadBatcher
 
 
@@ -24,12 +25,14 @@ class SlowHead(torch.nn.Linear):
         return super().forward(hidden)
 
 
-def call_together(batcher: HeadBatcher, head, inputs: list[torch.Tensor]) -> list[object]:
+def call_together(batcher: HeadBatcher, head, inputs: list[torch.Tensor], stagger_s: float = 0.0) -> list[object]:
+    """Each input from its own thread, all at once (or the i-th stagger_s * i later)."""
     results: list[object] = [None] * len(inputs)
     go = threading.Barrier(len(inputs))
 
     def work(i: int) -> None:
         go.wait()
+        time.sleep(stagger_s * i)
         try:
             results[i] = batcher(head, inputs[i])
         except Exception as e:  # noqa: BLE001 - the test looks at what each caller got
@@ -99,3 +102,44 @@ def test_one_caller_alone_runs_at_once(rows: int) -> None:
     with torch.no_grad():
         torch.testing.assert_close(batcher(head, hidden), head(hidden))
     assert head.calls == [rows, rows]
+
+
+def test_a_cohort_arriving_a_little_apart_shares_one_product(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Generations that use the head together wait briefly for each other's rows (the last server answers a cohort
+    at once, but its rows reach their threads apart); the wait is widened here so a loaded machine cannot miss it."""
+    monkeypatch.setattr(head_batching, "GATHER_GAP_S", 0.5)
+    monkeypatch.setattr(head_batching, "GATHER_MAX_S", 2.0)
+    monkeypatch.setattr(head_batching, "ACTIVE_S", 60.0)
+    head, batcher = torch.nn.Linear(8, 50, bias=False), HeadBatcher()
+    inputs = [torch.randn(1, 1, 8) for _ in range(4)]
+    for _ in range(3):  # the first round makes the four threads known as active generations
+        batches = batcher.batches
+        results = call_together(batcher, head, inputs, stagger_s=0.02)
+        with torch.no_grad():
+            for hidden, result in zip(inputs, results, strict=True):
+                torch.testing.assert_close(result, torch.nn.functional.linear(hidden, head.weight))
+    assert batcher.batches == batches + 1  # the last round's four rows ran as one product
+
+
+def test_a_generation_alone_does_not_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(head_batching, "GATHER_GAP_S", 5.0)
+    monkeypatch.setattr(head_batching, "GATHER_MAX_S", 5.0)
+    head, batcher = torch.nn.Linear(8, 50, bias=False), HeadBatcher()
+    began = time.monotonic()
+    for _ in range(5):
+        batcher(head, torch.randn(1, 1, 8))
+    assert time.monotonic() - began < 2.0
+
+
+def test_products_of_many_rows_use_the_packed_weight_and_follow_its_changes() -> None:
+    torch.manual_seed(0)
+    head, batcher = torch.nn.Linear(64, 300, bias=True), HeadBatcher()
+    hidden = torch.randn(head_batching.PACKED_MIN_ROWS + 2, 1, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(batcher(head, hidden), head(hidden), rtol=1e-5, atol=1e-5)
+        head.weight.mul_(-2.0)  # changed in place: the packed copy is stale and must be remade
+        torch.testing.assert_close(batcher(head, hidden), head(hidden), rtol=1e-5, atol=1e-5)
+        head.weight = torch.nn.Parameter(torch.randn(300, 64), requires_grad=False)  # replaced
+        torch.testing.assert_close(batcher(head, hidden), head(hidden), rtol=1e-5, atol=1e-5)
+    if head_batching._packable(head.weight):  # where MKL packs, the products above went through it
+        assert any(entry[2] is not None for entry in batcher._packed.values())

@@ -2,18 +2,39 @@
 object) that need logits at the same time get them from one matrix product.
 
 On a CPU, the head of a decode step is bound by reading its weight (vocabulary x hidden: 113 MB for SmolLM2 in
-float32), not by arithmetic; rows of concurrent steps stacked into one product read it once. Nothing waits on
-purpose: a thread that finds the head idle runs it at once on whatever rows are queued; rows that arrive meanwhile
-run together next, as continuous batching does on the servers.
+float32), not by arithmetic; rows of concurrent steps stacked into one product read it once. A thread that finds the
+head idle runs it on whatever rows are queued; rows that arrive meanwhile run together next, as continuous batching
+does on the servers. The decode steps of concurrent generations come back from the last server in cohorts (it
+batches them), but reach their threads a little apart, so a thread that finds fewer rows queued than there are
+generations waits briefly for the rest of its cohort: at most GATHER_MAX_S, and only while rows keep arriving (each
+within GATHER_GAP_S of the last). A generation alone never waits.
+
+A product of PACKED_MIN_ROWS rows or more multiplies by a copy of a float32 head's weight that MKL has packed once
+for repeated products (its packed GEMM, as torch's own compiled CPU linears use): MKL's usual path repacks the
+weight on every call, which for a few rows costs about as much as the product itself. The copy is made at the
+first such product, so a client that never generates concurrently never holds it.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F  # noqa: N812 - the usual name
+
+logger = logging.getLogger(__name__)
+
+# a thread that used the head this recently counts as an active generation (one decode step apart is far less)
+ACTIVE_S = 0.5
+# a thread gathering its cohort's rows waits at most this long, and stops when none arrived for GATHER_GAP_S
+GATHER_MAX_S = 0.006
+GATHER_GAP_S = 0.002
+# products of this many rows or more use the packed weight (for fewer, MKL's usual path is as fast or faster)
+PACKED_MIN_ROWS = 4
 
 
 @dataclass(eq=False)
@@ -36,13 +57,20 @@ class HeadBatcher:
         self._running = False
         self.batches = 0  # products run (for statistics)
         self.rows = 0  # rows they carried
+        self._last_call: dict[int, float] = {}  # thread ident -> when it last called (monotonic s)
+        # by id(head): the weight a packed copy was made of, its version then, and the copy (None: not packable)
+        self._packed: dict[int, tuple[torch.Tensor, int, torch.Tensor | None]] = {}
 
     def __call__(self, head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
         mine = _Rows(head, hidden)
         with self._lock:
             self._queue.append(mine)
+            self._lock.notify_all()  # a thread gathering its cohort sees the new rows
+            active = self._active(time.monotonic())
             while self._running and not mine.done:
                 self._lock.wait()
+            if not mine.done and len(self._queue) < active:
+                self._gather(mine, active)
             if not mine.done:  # the head is idle: this thread runs it for everything queued
                 batch, self._queue, self._running = self._queue, [], True
         if not mine.done:
@@ -53,13 +81,50 @@ class HeadBatcher:
             raise RuntimeError("the LM head batch ended without this caller's rows")
         return mine.result
 
+    def _active(self, now: float) -> int:
+        """Generations using the head now: threads that called it within ACTIVE_S, the caller included (called with
+        the lock held)."""
+        self._last_call[threading.get_ident()] = now
+        if len(self._last_call) > 64:  # forget threads long gone
+            self._last_call = {t: at for t, at in self._last_call.items() if now - at < ACTIVE_S}
+        return sum(1 for at in self._last_call.values() if now - at < ACTIVE_S)
+
+    def _gather(self, mine: _Rows, active: int) -> None:
+        """Wait (with the lock held, releasing it meanwhile) for more of the active generations' rows: until all are
+        queued, none arrived for GATHER_GAP_S, GATHER_MAX_S passed, or another thread took the head."""
+        began = last = time.monotonic()
+        queued = len(self._queue)
+        while not mine.done and not self._running and queued < active:
+            now = time.monotonic()
+            left = min(last + GATHER_GAP_S, began + GATHER_MAX_S) - now
+            if left <= 0:
+                return
+            self._lock.wait(left)
+            if len(self._queue) != queued:
+                queued, last = len(self._queue), time.monotonic()
+        while self._running and not mine.done:  # another thread took the head meanwhile (and maybe these rows)
+            self._lock.wait()
+
+    def _product(self, head: Callable[[torch.Tensor], torch.Tensor], flat: torch.Tensor) -> torch.Tensor:
+        """head(flat) for flat (rows, hidden), by the packed weight where that applies."""
+        if flat.shape[0] >= PACKED_MIN_ROWS and type(head) is torch.nn.Linear and _packable(head.weight):
+            weight, version = head.weight, _version(head.weight)
+            entry = self._packed.get(id(head))
+            if entry is None or entry[0] is not weight or entry[1] != version:  # new, replaced or changed
+                entry = self._packed[id(head)] = (weight, version, _pack(weight) if version >= 0 else None)
+            packed = entry[2]
+            if packed is not None:
+                rows = flat.contiguous()
+                return torch.ops.mkl._mkl_linear(rows, packed, head.weight, head.bias, rows.shape[0])
+        return head(flat)
+
     def _run(self, batch: list[_Rows]) -> None:
         try:
             kinds = {(id(rows.head), rows.hidden.dtype, rows.hidden.device, rows.hidden.shape[-1]) for rows in batch}
             if len(kinds) == 1:
                 flat = [rows.hidden.reshape(-1, rows.hidden.shape[-1]) for rows in batch]
                 with torch.no_grad():
-                    out = batch[0].head(torch.cat(flat) if len(flat) > 1 else flat[0])
+                    out = self._product(batch[0].head, torch.cat(flat) if len(flat) > 1 else flat[0])
                 for rows, part in zip(batch, torch.split(out, [f.shape[0] for f in flat]), strict=True):
                     rows.result = part.reshape(*rows.hidden.shape[:-1], part.shape[-1])
             else:  # mixed heads, dtypes or devices: each alone
@@ -77,3 +142,33 @@ class HeadBatcher:
                     rows.done = True
                 self._running = False
                 self._lock.notify_all()
+
+
+def _packable(weight: torch.Tensor) -> bool:
+    return (
+        weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2
+        and torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+    )  # fmt: skip
+
+
+def _version(weight: torch.Tensor) -> int:
+    """The weight's version counter (bumped by every in-place change); -1 where it has none (an inference tensor)."""
+    try:
+        return int(weight._version)
+    except RuntimeError:
+        return -1
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """MKL's packed copy of a Linear weight (out, in), or None when this torch cannot pack it or the packed product
+    does not match the usual one (then the head runs as usual)."""
+    try:
+        packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), PACKED_MIN_ROWS)
+        probe = torch.randn(PACKED_MIN_ROWS, weight.shape[1], generator=torch.Generator().manual_seed(0))
+        got = torch.ops.mkl._mkl_linear(probe, packed, weight.detach(), None, PACKED_MIN_ROWS)
+        torch.testing.assert_close(got, F.linear(probe, weight.detach()), rtol=1e-4, atol=1e-4)
+    except (RuntimeError, AssertionError) as e:
+        logger.info("the LM head runs unpacked: %s", str(e).splitlines()[0] if str(e) else type(e).__name__)
+        return None
+    logger.info("packed the LM head for batched products (%.0f MB)", weight.numel() * 4 / 1e6)
+    return packed
