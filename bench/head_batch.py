@@ -15,7 +15,7 @@ import time
 import torch
 import torch.nn.functional as F  # noqa: N812 - the usual name
 
-from swarmlm.client.head_batching import PACKED_MIN_ROWS, _pack, _packable
+from swarmlm.client.head_batching import PACKED_MIN_ROWS, pack_weight, packable
 from swarmlm.models.loading import DEFAULT_MODEL, load_config, load_tensors, resolve_model
 from swarmlm.models.registry import get_family
 
@@ -32,9 +32,9 @@ def main() -> None:
     tensors = load_tensors(model_dir, [f"{family.head_name}.", f"{family.embed_name}."], dtype=torch.float32)
     # a model with tied embeddings (SmolLM2) stores no head: it multiplies by the embedding matrix
     weight = tensors.get(f"{family.head_name}.weight", tensors[f"{family.embed_name}.weight"]).contiguous()
-    if not _packable(weight):
+    if not packable(weight):
         raise SystemExit("this torch cannot pack the weight (no MKL): the head batcher uses F.linear for all products")
-    packed = _pack(weight)
+    packed = pack_weight(weight)
     if packed is None:
         raise SystemExit("MKL's packed product did not match F.linear here: the head batcher uses F.linear")
     print(f"model {args.model}, LM head {tuple(weight.shape)} fp32 ({weight.numel() * 4 / 1e6:.0f} MB); the head "

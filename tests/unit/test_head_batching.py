@@ -141,5 +141,5 @@ def test_products_of_many_rows_use_the_packed_weight_and_follow_its_changes() ->
         torch.testing.assert_close(batcher(head, hidden), head(hidden), rtol=1e-5, atol=1e-5)
         head.weight = torch.nn.Parameter(torch.randn(300, 64), requires_grad=False)  # replaced
         torch.testing.assert_close(batcher(head, hidden), head(hidden), rtol=1e-5, atol=1e-5)
-    if head_batching._packable(head.weight):  # where MKL packs, the products above went through it
+    if head_batching.packable(head.weight):  # where MKL packs, the products above went through it
         assert any(entry[2] is not None for entry in batcher._packed.values())

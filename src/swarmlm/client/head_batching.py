@@ -107,15 +107,15 @@ class HeadBatcher:
 
     def _product(self, head: Callable[[torch.Tensor], torch.Tensor], flat: torch.Tensor) -> torch.Tensor:
         """head(flat) for flat (rows, hidden), by the packed weight where that applies."""
-        if flat.shape[0] >= PACKED_MIN_ROWS and type(head) is torch.nn.Linear and _packable(head.weight):
+        if flat.shape[0] >= PACKED_MIN_ROWS and type(head) is torch.nn.Linear and packable(head.weight):
             weight, version = head.weight, _version(head.weight)
             entry = self._packed.get(id(head))
             if entry is None or entry[0] is not weight or entry[1] != version:  # new, replaced or changed
-                entry = self._packed[id(head)] = (weight, version, _pack(weight) if version >= 0 else None)
+                entry = self._packed[id(head)] = (weight, version, pack_weight(weight) if version >= 0 else None)
             packed = entry[2]
             if packed is not None:
                 rows = flat.contiguous()
-                return torch.ops.mkl._mkl_linear(rows, packed, head.weight, head.bias, rows.shape[0])
+                return torch.ops.mkl._mkl_linear(rows, packed, weight, head.bias, rows.shape[0])
         return head(flat)
 
     def _run(self, batch: list[_Rows]) -> None:
@@ -144,7 +144,8 @@ class HeadBatcher:
                 self._lock.notify_all()
 
 
-def _packable(weight: torch.Tensor) -> bool:
+def packable(weight: torch.Tensor) -> bool:
+    """Whether this torch can make MKL's packed copy of `weight` (a float32 CPU matrix, MKL present)."""
     return (
         weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2
         and torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
@@ -159,14 +160,15 @@ def _version(weight: torch.Tensor) -> int:
         return -1
 
 
-def _pack(weight: torch.Tensor) -> torch.Tensor | None:
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """MKL's packed copy of a Linear weight (out, in), or None when this torch cannot pack it or the packed product
     does not match the usual one (then the head runs as usual)."""
+    weight = weight.detach()
     try:
-        packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), PACKED_MIN_ROWS)
+        packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, PACKED_MIN_ROWS)
         probe = torch.randn(PACKED_MIN_ROWS, weight.shape[1], generator=torch.Generator().manual_seed(0))
-        got = torch.ops.mkl._mkl_linear(probe, packed, weight.detach(), None, PACKED_MIN_ROWS)
-        torch.testing.assert_close(got, F.linear(probe, weight.detach()), rtol=1e-4, atol=1e-4)
+        got = torch.ops.mkl._mkl_linear(probe, packed, weight, None, PACKED_MIN_ROWS)
+        torch.testing.assert_close(got, F.linear(probe, weight), rtol=1e-4, atol=1e-4)
     except (RuntimeError, AssertionError) as e:
         logger.info("the LM head runs unpacked: %s", str(e).splitlines()[0] if str(e) else type(e).__name__)
         return None
