@@ -2,8 +2,8 @@
 
 The LM head of SmolLM2-135M (vocabulary x hidden, fp32, 113 MB) multiplies the rows of concurrent decode steps
 (client/head_batching.py). Prints, per number of rows, the time of one product by F.linear (the weight as loaded,
-row-major) and by the packed copy the head batcher makes for products of PACKED_MIN_ROWS rows or more, and their
-ratio (below 1: packing saves time). Each time is the median of --repeats, the two ways taking turns.
+row-major) and by the packed copy the head batcher makes and uses for all its products, and their ratio (below 1:
+packing saves time). Each time is the median of --repeats, the two ways taking turns.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import time
 import torch
 import torch.nn.functional as F  # noqa: N812 - the usual name
 
-from swarmlm.client.head_batching import PACKED_MIN_ROWS, pack_weight, packable
+from swarmlm.client.head_batching import PACK_ROWS_HINT, pack_weight, packable
 from swarmlm.models.loading import DEFAULT_MODEL, load_config, load_tensors, resolve_model
 from swarmlm.models.registry import get_family
 
@@ -38,7 +38,7 @@ def main() -> None:
     if packed is None:
         raise SystemExit("MKL's packed product did not match F.linear here: the head batcher uses F.linear")
     print(f"model {args.model}, LM head {tuple(weight.shape)} fp32 ({weight.numel() * 4 / 1e6:.0f} MB); the head "
-          f"batcher packs products of {PACKED_MIN_ROWS}+ rows; ms per product (median of {args.repeats})")
+          f"batcher packs it for {PACK_ROWS_HINT} rows and uses it for all; ms per product (median of {args.repeats})")
     print(f"\n{'threads':>8}{'rows':>6}{'F.linear':>10}{'packed':>9}{'ratio':>8}")
     with torch.inference_mode():
         for threads in args.threads:

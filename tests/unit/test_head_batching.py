@@ -131,15 +131,17 @@ def test_a_generation_alone_does_not_wait(monkeypatch: pytest.MonkeyPatch) -> No
     assert time.monotonic() - began < 2.0
 
 
-def test_products_of_many_rows_use_the_packed_weight_and_follow_its_changes() -> None:
+def test_products_use_the_packed_weight_and_follow_its_changes() -> None:
     torch.manual_seed(0)
     head, batcher = torch.nn.Linear(64, 300, bias=True), HeadBatcher()
-    hidden = torch.randn(head_batching.PACKED_MIN_ROWS + 2, 1, 64)
     with torch.no_grad():
-        torch.testing.assert_close(batcher(head, hidden), head(hidden), rtol=1e-5, atol=1e-5)
-        head.weight.mul_(-2.0)  # changed in place: the packed copy is stale and must be remade
-        torch.testing.assert_close(batcher(head, hidden), head(hidden), rtol=1e-5, atol=1e-5)
-        head.weight = torch.nn.Parameter(torch.randn(300, 64), requires_grad=False)  # replaced
-        torch.testing.assert_close(batcher(head, hidden), head(hidden), rtol=1e-5, atol=1e-5)
-    if head_batching.packable(head.weight):  # where MKL packs, the products above went through it
-        assert any(entry[2] is not None for entry in batcher._packed.values())
+        for rows in (1, 3, 6):  # a lone decode step's row, a few, more than the packing's hint
+            hidden = torch.randn(rows, 1, 64)
+            torch.testing.assert_close(batcher(head, hidden), head(hidden), rtol=1e-5, atol=1e-5)
+            if head_batching.packable(head.weight):  # where MKL packs, this product went through the packed copy
+                weight, _, packed = batcher._packed[id(head)]
+                assert weight is head.weight and packed is not None
+            head.weight.mul_(-2.0)  # changed in place: the packed copy is stale and must be remade
+            torch.testing.assert_close(batcher(head, hidden), head(hidden), rtol=1e-5, atol=1e-5)
+            head.weight = torch.nn.Parameter(torch.randn(300, 64), requires_grad=False)  # replaced
+            torch.testing.assert_close(batcher(head, hidden), head(hidden), rtol=1e-5, atol=1e-5)

@@ -9,10 +9,10 @@ batches them), but reach their threads a little apart, so a thread that finds fe
 generations waits briefly for the rest of its cohort: at most GATHER_MAX_S, and only while rows keep arriving (each
 within GATHER_GAP_S of the last). A generation alone never waits.
 
-A product of PACKED_MIN_ROWS rows or more multiplies by a copy of a float32 head's weight that MKL has packed once
-for repeated products (its packed GEMM, as torch's own compiled CPU linears use): MKL's usual path repacks the
-weight on every call, which for a few rows costs about as much as the product itself. The copy is made at the
-first such product, so a client that never generates concurrently never holds it.
+Products multiply by a copy of a float32 head's weight that MKL has packed once for repeated products (its packed
+GEMM, as torch's own compiled CPU linears use): MKL's usual path repacks the weight on every call, which for a few
+rows costs about as much as the product itself (`python bench/head_batch.py` compares the two by rows). The copy is
+made at the first product, so it costs the head's size in memory once the client generates (113 MB for SmolLM2).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ ACTIVE_S = 0.5
 # a thread gathering its cohort's rows waits at most this long, and stops when none arrived for GATHER_GAP_S
 GATHER_MAX_S = 0.006
 GATHER_GAP_S = 0.002
-# products of this many rows or more use the packed weight (for fewer, MKL's usual path is as fast or faster)
-PACKED_MIN_ROWS = 4
+# the rows per product MKL packs the weight for (a hint to its packing; products of any size use the copy)
+PACK_ROWS_HINT = 4
 
 
 @dataclass(eq=False)
@@ -107,7 +107,7 @@ class HeadBatcher:
 
     def _product(self, head: Callable[[torch.Tensor], torch.Tensor], flat: torch.Tensor) -> torch.Tensor:
         """head(flat) for flat (rows, hidden), by the packed weight where that applies."""
-        if flat.shape[0] >= PACKED_MIN_ROWS and type(head) is torch.nn.Linear and packable(head.weight):
+        if type(head) is torch.nn.Linear and packable(head.weight):
             weight, version = head.weight, _version(head.weight)
             entry = self._packed.get(id(head))
             if entry is None or entry[0] is not weight or entry[1] != version:  # new, replaced or changed
@@ -165,12 +165,12 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     does not match the usual one (then the head runs as usual)."""
     weight = weight.detach()
     try:
-        packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, PACKED_MIN_ROWS)
-        probe = torch.randn(PACKED_MIN_ROWS, weight.shape[1], generator=torch.Generator().manual_seed(0))
-        got = torch.ops.mkl._mkl_linear(probe, packed, weight, None, PACKED_MIN_ROWS)
+        packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, PACK_ROWS_HINT)
+        probe = torch.randn(PACK_ROWS_HINT, weight.shape[1], generator=torch.Generator().manual_seed(0))
+        got = torch.ops.mkl._mkl_linear(probe, packed, weight, None, PACK_ROWS_HINT)
         torch.testing.assert_close(got, F.linear(probe, weight), rtol=1e-4, atol=1e-4)
     except (RuntimeError, AssertionError) as e:
         logger.info("the LM head runs unpacked: %s", str(e).splitlines()[0] if str(e) else type(e).__name__)
         return None
-    logger.info("packed the LM head for batched products (%.0f MB)", weight.numel() * 4 / 1e6)
+    logger.info("packed the LM head for its products (%.0f MB)", weight.numel() * 4 / 1e6)
     return packed
