@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from transformers.cache_utils import DynamicCache
 
-from swarmlm.models.batched import decode_batched
+from swarmlm.models.batched import decode_batched, prefill_batched
 from swarmlm.models.span import SpanModel
 
 
@@ -37,6 +38,56 @@ def test_batched_decode_equals_each_session_alone(tiny_model_dir: Path) -> None:
                 assert a.get_seq_length(start) == b.get_seq_length(start)
                 for layer in range(start, end):
                     assert (a.layers[layer].keys - b.layers[layer].keys).abs().max().item() <= 1e-5
+
+
+def test_fresh_sessions_prompts_run_together_as_each_alone(tiny_model_dir: Path) -> None:
+    """Prompts of several fresh sessions as one forward: each session's output and cache are what its prompt alone
+    gives, and its decode steps go on from there as they would alone."""
+    torch.manual_seed(2)
+    span = SpanModel.from_dir(tiny_model_dir, 1, 4)
+    start, end = 2, 4
+    prompts = [torch.randn(1, length, 64) for length in (5, 2, 9, 3)]
+    alone, together = [DynamicCache() for _ in prompts], [DynamicCache() for _ in prompts]
+    with torch.inference_mode():
+        expected = [span(p, start=start, end=end, cache=c) for p, c in zip(prompts, alone, strict=True)]
+        got = prefill_batched(span, prompts, together, start, end)
+        for e, g in zip(expected, got, strict=True):
+            assert g.shape == e.shape
+            assert (g - e).abs().max().item() <= 1e-5
+        for _ in range(2):
+            tokens = [torch.randn(1, 1, 64) for _ in prompts]
+            expected = [span(t, start=start, end=end, cache=c) for t, c in zip(tokens, alone, strict=True)]
+            got = decode_batched(span, tokens, together, start, end)
+            for e, g in zip(expected, got, strict=True):
+                assert (g - e).abs().max().item() <= 1e-5
+        for a, b in zip(alone, together, strict=True):
+            assert a.get_seq_length(start) == b.get_seq_length(start)
+        with pytest.raises(ValueError, match="nothing cached"):  # a session with history is no fresh prompt
+            prefill_batched(span, prompts[:2], together[:2], start, end)
+
+
+def test_which_prompts_may_share_a_forward() -> None:
+    """The first tokens of a fresh session, one row, without padding or other positions, within the limit; a
+    session with history, a batch of rows, a padded prompt, shifted positions or deep prompts run alone."""
+    from swarmlm.protocol.bundle import SpanTensors
+    from swarmlm.server.backend import _plain_prompt
+
+    fresh, used = DynamicCache(), DynamicCache()
+    used.update(torch.zeros(1, 1, 3, 4), torch.zeros(1, 1, 3, 4), 0)
+    hidden = torch.zeros(1, 6, 8)
+    assert _plain_prompt(fresh, 0, SpanTensors(hidden), None, 64)
+    assert _plain_prompt(fresh, 0, SpanTensors(hidden), 0, 64)
+    ones, positions = torch.ones(1, 6, dtype=torch.long), torch.arange(6).unsqueeze(0)
+    assert _plain_prompt(fresh, 0, SpanTensors(hidden, attention_mask=ones, position_ids=positions), None, 64)
+    assert not _plain_prompt(fresh, 0, SpanTensors(hidden), None, 5)  # over the limit
+    assert not _plain_prompt(used, 0, SpanTensors(hidden), None, 64)
+    assert not _plain_prompt(fresh, 0, SpanTensors(torch.zeros(2, 6, 8)), None, 64)
+    assert not _plain_prompt(fresh, 0, SpanTensors(torch.zeros(1, 1, 8)), None, 64)  # one token: a decode step
+    padded = ones.clone()
+    padded[0, 0] = 0
+    assert not _plain_prompt(fresh, 0, SpanTensors(hidden, attention_mask=padded), None, 64)
+    assert not _plain_prompt(fresh, 0, SpanTensors(hidden, position_ids=positions + 2), None, 64)
+    assert not _plain_prompt(fresh, 0, SpanTensors(hidden, prompts=torch.zeros(1, 2, 8)), None, 64)
 
 
 def test_cpu_float32_spans_keep_linear_weights_column_major_with_their_values(tiny_model_dir: Path) -> None:

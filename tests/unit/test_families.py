@@ -1,5 +1,6 @@
 """Every registered family's spans, run by hand, equal the local Hugging Face model: prefill with padding, cached
-decode and batched decode of several sessions, with sliding windows shorter than the sequences."""
+decode, batched decode of several sessions and their prompts run together, with sliding windows shorter than the
+sequences."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from swarmlm.errors import ModelLoadError
-from swarmlm.models.batched import decode_batched
+from swarmlm.models.batched import decode_batched, prefill_batched
 from swarmlm.models.mixtral import fused_experts
 from swarmlm.models.registry import SLIDING_ATTENTION, get_family
 from swarmlm.models.span import SpanModel
@@ -80,6 +81,23 @@ def test_batched_decode_equals_each_session_alone(family_dir: Path) -> None:
             tokens = [torch.randn(row, 1, hidden_size) for row in rows]
             expected = [span(t, cache=c) for t, c in zip(tokens, alone, strict=True)]
             got = decode_batched(span, tokens, batched, 1, 4)
+            assert all(close(g, e) for g, e in zip(got, expected, strict=True))
+
+
+def test_prompts_run_together_equal_each_alone(family_dir: Path) -> None:
+    """Fresh sessions' prompts (none longer than the window) as one forward, then decode steps past the window."""
+    torch.manual_seed(3)
+    span = SpanModel.from_dir(family_dir, 1, 4)
+    prompts = [torch.randn(1, length, span.config.hidden_size) for length in (WINDOW, 2, WINDOW - 1)]
+    alone, together = [DynamicCache() for _ in prompts], [DynamicCache() for _ in prompts]
+    with torch.inference_mode():
+        expected = [span(p, cache=c) for p, c in zip(prompts, alone, strict=True)]
+        got = prefill_batched(span, prompts, together, 1, 4)
+        assert all(close(g, e) for g, e in zip(got, expected, strict=True))
+        for _ in range(WINDOW + 1):
+            tokens = [torch.randn(1, 1, span.config.hidden_size) for _ in prompts]
+            expected = [span(t, cache=c) for t, c in zip(tokens, alone, strict=True)]
+            got = decode_batched(span, tokens, together, 1, 4)
             assert all(close(g, e) for g, e in zip(got, expected, strict=True))
 
 

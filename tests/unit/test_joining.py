@@ -121,3 +121,35 @@ def test_joined_requests_of_different_peers_run_once_and_get_their_own_results(b
     for request, outputs in zip(inputs, results, strict=True):
         alone = backend._run(0, 5, request)[0]
         assert (outputs[0] - alone[0]).abs().max().item() <= TOLERANCE
+
+
+def test_fresh_sessions_prompts_waiting_together_run_as_one_forward(backend: SpanBackend) -> None:
+    """Inference steps carrying the prompts of fresh sessions, queued while the compute thread is busy, run as one
+    forward; each session gets its own outputs and cache, as its prompt alone gives them."""
+    from swarmlm.models.growing_cache import GrowingCache
+
+    prompts = [SpanTensors(randn(1, length, HIDDEN, seed=40 + length)) for length in (4, 7, 5)]
+    caches = [GrowingCache() for _ in prompts]
+    release = threading.Event()
+
+    async def main() -> list[torch.Tensor]:
+        scheduler = backend.scheduler
+        blocker = asyncio.ensure_future(scheduler.submit(Kind.FORWARD, "busy", release.wait))
+        await asyncio.sleep(0.05)
+        steps = [
+            asyncio.ensure_future(backend.step(cache, 1, 4, prompt, 1024, peer=f"p{i}"))
+            for i, (cache, prompt) in enumerate(zip(caches, prompts, strict=True))
+        ]
+        await asyncio.sleep(0.05)
+        release.set()
+        await blocker
+        return [outputs[0] for outputs, _ in await asyncio.gather(*steps)]
+
+    before = backend.scheduler.joined_prompts
+    results = asyncio.run(main())
+    assert backend.scheduler.joined_prompts == before + 1 and backend.scheduler.joined_prompt_sessions >= 3
+    for prompt, cache, got in zip(prompts, caches, results, strict=True):
+        alone_cache = GrowingCache()
+        alone = backend._step(alone_cache, 1, 4, prompt, 1024, None)[0][0]
+        assert got.shape == alone.shape and (got - alone).abs().max().item() <= TOLERANCE
+        assert cache.get_seq_length(1) == alone_cache.get_seq_length(1) == prompt.hidden.shape[1]

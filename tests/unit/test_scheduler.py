@@ -100,6 +100,27 @@ def test_batch_limits_on_sessions_and_rows() -> None:
     assert seqs(next_batch(queue, LIMITS, {})) == [0, 2]  # max_rows: 3 + 2 > 4
 
 
+def prompt(tokens: int, budget: int = 100, start: int = 0, end: int = 5) -> DecodeStep:
+    return DecodeStep(start, end, torch.zeros(1, tokens, 8), DynamicCache(), budget=budget)
+
+
+def test_fresh_sessions_prompts_share_a_forward_within_their_budget_and_never_with_decode_steps() -> None:
+    queue = [
+        task(Kind.INFERENCE, "a", 1, prompt(40)),
+        task(Kind.INFERENCE, "b", 2, decode()),  # a decode step: its own kind of forward
+        task(Kind.INFERENCE, "c", 3, prompt(30, start=2)),  # other blocks
+        task(Kind.INFERENCE, "d", 4, prompt(70)),  # 40 + 70 > the budget of 100 tokens
+        task(Kind.INFERENCE, "e", 5, prompt(35)),
+        task(Kind.INFERENCE, "f", 6, prompt(25)),  # 40 + 35 + 25 = 100
+    ]
+    assert seqs(next_batch(queue, LIMITS, {})) == [1, 5, 6]
+    assert seqs(next_batch(queue[1:], LIMITS, {})) == [2]  # a decode step heads: no prompt joins it
+    # the scheduler's own limit on joined tokens bounds a large budget
+    wide = dataclasses.replace(LIMITS, max_join_tokens=50)
+    queue = [task(Kind.INFERENCE, "a", 1, prompt(30, 1000)), task(Kind.INFERENCE, "b", 2, prompt(30, 1000))]
+    assert seqs(next_batch(queue, wide, {})) == [1]
+
+
 def test_one_cache_is_never_twice_in_a_batch() -> None:
     cache = DynamicCache()
     queue = [task(Kind.INFERENCE, "a", 0, decode(cache=cache)), task(Kind.INFERENCE, "a", 1, decode(cache=cache))]

@@ -1,4 +1,5 @@
-"""One-token decode steps of several sessions, each with its own KV cache, run through a span as one forward.
+"""One-token decode steps of several sessions, each with its own KV cache, run through a span as one forward; and the
+prompts of several fresh sessions, likewise (prefill_batched).
 
 The projections and MLPs of all sessions run as one batch (that is where the batch pays: their weights are read once).
 Attention runs session by session over each session's own cache, as Hugging Face's sdpa attention runs it for a
@@ -30,13 +31,15 @@ class SessionCaches:
 
     def __init__(
         self, caches: Sequence[DynamicCache], rows: Sequence[int], windows: dict[int, int | None],
-        masks: Sequence[torch.Tensor | None] | None = None,
+        masks: Sequence[torch.Tensor | None] | None = None, tokens: Sequence[int] | None = None,
     ):  # fmt: skip
         """windows: by global layer index, how many of the last positions a new token sees (None: all). masks: each
         session's padding mask over its history and new token, (rows, history + 1) bool, True where the new token
-        may attend (None: everywhere)."""
+        may attend (None: everywhere). tokens: for prompts (prefill_batched), each session's number of new tokens,
+        laid one after another along the sequence of a single row (rows are then all 1); None: one token per row."""
         self.caches, self.rows, self.windows = list(caches), list(rows), windows
         self.masks = list(masks) if masks is not None else [None] * len(self.caches)
+        self.tokens = None if tokens is None else list(tokens)
         self.histories: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # by layer, until its attention
 
     def update(
@@ -45,6 +48,13 @@ class SessionCaches:
         """key/value_states (rows, kv_heads, 1, head_dim) go to their sessions' caches; returned as they are (the
         attention takes each session's whole history from self.histories)."""
         histories, row = [], 0
+        if self.tokens is not None:  # (1, kv_heads, sum tokens, head_dim): each session's segment of the sequence
+            for cache, count in zip(self.caches, self.tokens, strict=True):
+                keys, values = key_states[:, :, row : row + count], value_states[:, :, row : row + count]
+                histories.append(cache.update(keys, values, layer_idx))
+                row += count
+            self.histories[layer_idx] = histories
+            return key_states, value_states
         for cache, rows in zip(self.caches, self.rows, strict=True):
             histories.append(cache.update(key_states[row : row + rows], value_states[row : row + rows], layer_idx))
             row += rows
@@ -73,6 +83,14 @@ def sessions_attention(
     layer_idx = int(module.layer_idx)  # type: ignore[arg-type]  # attention modules know their layer's index
     window = batch.windows.get(layer_idx)
     outputs, row = [], 0
+    if batch.tokens is not None:  # fresh prompts (prefill_batched): each segment attends causally over itself
+        for count, (keys, values) in zip(batch.tokens, batch.histories.pop(layer_idx), strict=True):
+            out, _ = sdpa_attention_forward(
+                module, query[:, :, row : row + count], keys, values, None, dropout=dropout, scaling=scaling, **kwargs
+            )
+            outputs.append(out)  # (1, count, heads, dim)
+            row += count
+        return (torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]), None
     for rows, (keys, values), padding in zip(batch.rows, batch.histories.pop(layer_idx), batch.masks, strict=True):
         mask = None if padding is None else padding[:, None, None, :]
         if window is not None and keys.shape[-2] > window:
@@ -117,6 +135,44 @@ def decode_batched(
     window = getattr(span.config, "sliding_window", None)
     windows = {start + i: window if kind == SLIDING_ATTENTION else None for i, kind in enumerate(kinds)}
     batch = SessionCaches(caches, rows, windows, bool_masks)
+    states = _through_layers(span, states, position_ids, rotaries, batch, start, end)
+    return list(torch.split(states, rows))
+
+
+def prefill_batched(
+    span: SpanModel, hidden: Sequence[torch.Tensor], caches: Sequence[DynamicCache], start: int, end: int,
+    adapter: str | None = None,
+) -> list[torch.Tensor]:  # fmt: skip
+    """hidden[i] (1, tokens_i, hidden) is the prompt of the session owning caches[i], which holds nothing yet over
+    blocks [start, end); returns each session's output (1, tokens_i, hidden), as if it had run alone (a causal
+    forward over its own tokens at positions 0..tokens_i - 1, without padding), and fills its own cache. The prompts
+    run as one sequence through the projections and MLPs (their weights are read once for all), and attention runs
+    prompt by prompt. A sliding-window layer is not handled: each prompt must fit in the window. All sessions use
+    the same LoRA adapter (None: the base model)."""
+    span.use_adapter(adapter)
+    tokens = [h.shape[1] for h in hidden]
+    if any(h.shape[0] != 1 for h in hidden) or any(c.get_seq_length(start) for c in caches):
+        raise ValueError("prefill_batched takes one row per session and sessions with nothing cached")
+    states = torch.cat(list(hidden), dim=1)  # (1, sum tokens, hidden)
+    position_ids = torch.cat([torch.arange(count) for count in tokens]).unsqueeze(0).to(states.device)
+    kinds = span.layer_kinds[start:end]
+    window = getattr(span.config, "sliding_window", None)
+    if window is not None and SLIDING_ATTENTION in kinds and max(tokens) > window:
+        raise ValueError(f"a prompt longer than the sliding window ({window}) runs alone")
+    rotaries = {
+        kind: span.family.position_embeddings(span.rotary, states, position_ids, kind) for kind in dict.fromkeys(kinds)
+    }
+    batch = SessionCaches(caches, [1] * len(caches), {}, None, tokens)
+    states = _through_layers(span, states, position_ids, rotaries, batch, start, end)
+    return list(torch.split(states, tokens, dim=1))
+
+
+def _through_layers(
+    span: SpanModel, states: torch.Tensor, position_ids: torch.Tensor, rotaries: dict[str, Any], batch: SessionCaches,
+    start: int, end: int,
+) -> torch.Tensor:  # fmt: skip
+    """states through blocks [start, end), each layer's attention going session by session (sessions_attention)."""
+    kinds = span.layer_kinds[start:end]
     config = span.config
     usual = config._attn_implementation
     config._attn_implementation = SESSIONS_ATTENTION  # the compute thread is the span's only user meanwhile
@@ -133,4 +189,4 @@ def decode_batched(
             )
     finally:
         config._attn_implementation = usual
-    return list(torch.split(states, rows))
+    return states

@@ -12,9 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from transformers.cache_utils import DynamicCache
 
-from swarmlm.models.batched import decode_batched
+from swarmlm.models.batched import decode_batched, prefill_batched
 from swarmlm.models.growing_cache import GrowingCache
 from swarmlm.models.lora import linear_shapes
+from swarmlm.models.registry import SLIDING_ATTENTION
 from swarmlm.models.span import SpanModel
 from swarmlm.protocol.bundle import SpanTensors
 from swarmlm.protocol.lora import LoraWeights
@@ -161,31 +162,51 @@ class SpanBackend:
         """One inference step of a session owning `cache`: [hidden states of the new tokens], compute time in ms.
 
         With start_from, the cache is first cut back to that many tokens (validated: not more than it holds). A step
-        with the session's own LoRA weights runs alone (never batched with other sessions' steps)."""
+        with the session's own LoRA weights runs alone (never batched with other sessions' steps); a fresh session's
+        plain prompt may run with other fresh sessions' prompts."""
         run = functools.partial(self._step, cache, start, end, inputs, chunk_tokens, start_from, adapter, lora)
-        plain = lora is None and _plain_decode(cache, start, inputs, start_from)
         decode = None
-        if plain:
+        if lora is None and _plain_decode(cache, start, inputs, start_from):
             decode = DecodeStep(start, end, inputs.hidden, cache, adapter, inputs.attention_mask, inputs.position_ids)
+        elif lora is None and _plain_prompt(
+            cache, start, inputs, start_from, self._prompt_limit(start, end, chunk_tokens)
+        ):  # fmt: skip
+            decode = DecodeStep(start, end, inputs.hidden, cache, adapter, budget=chunk_tokens)
         result: tuple[list[torch.Tensor], float] = await self.scheduler.submit(Kind.INFERENCE, peer, run, decode)
         return result
+
+    def _prompt_limit(self, start: int, end: int, chunk_tokens: int) -> int:
+        """The most tokens of a prompt that may join others' over blocks [start, end): one that would run alone in
+        one chunk, and within the sliding window of any such layer among them (a joined prompt attends causally)."""
+        window = getattr(self.span.config, "sliding_window", None)
+        if window is not None and SLIDING_ATTENTION in self.span.layer_kinds[start:end]:
+            return min(chunk_tokens, int(window))
+        return chunk_tokens
 
     def session_ended(self, cache: DynamicCache) -> None:
         """The session owning `cache` is over: no decode batch waits for its steps any more."""
         self.scheduler.forget(cache)
 
     def _decode_batch(self, steps: list[DecodeStep]) -> list[tuple[list[torch.Tensor], float]]:
-        """One-token steps of several sessions over the same blocks, as one forward (on the compute thread)."""
+        """One-token steps of several sessions over the same blocks, as one forward (on the compute thread); or the
+        prompts of several fresh sessions (the scheduler never mixes the two)."""
         began = time.perf_counter()
         start, end = steps[0].start, steps[0].end
         with torch.inference_mode():
             hidden = [step.hidden.to(self.device, self.dtype) for step in steps]
             # the scheduler batches only steps with the same adapter
             caches = [step.cache for step in steps]
-            masks, positions = [step.mask for step in steps], [step.positions for step in steps]  # None: the usual
-            outputs = decode_batched(self.span, hidden, caches, start, end, steps[0].adapter, masks, positions)
+            if steps[0].prompt:
+                outputs = prefill_batched(self.span, hidden, caches, start, end, steps[0].adapter)
+            else:
+                masks, positions = [step.mask for step in steps], [step.positions for step in steps]  # None: usual
+                outputs = decode_batched(self.span, hidden, caches, start, end, steps[0].adapter, masks, positions)
             results = [out.to("cpu", step.hidden.dtype) for out, step in zip(outputs, steps, strict=True)]
         compute_ms = (time.perf_counter() - began) * 1000
+        if steps[0].prompt:
+            logger.info("inference prompts sessions=%d blocks=%d:%d tokens=%d %.1f ms", len(steps), start, end,
+                        sum(step.tokens for step in steps), compute_ms)  # fmt: skip
+            return [([result], compute_ms) for result in results]
         logger.info("inference batch sessions=%d blocks=%d:%d rows=%d %.1f ms", len(steps), start, end,
                     sum(step.rows for step in steps), compute_ms)  # fmt: skip
         return [([result], compute_ms) for result in results]
@@ -260,6 +281,28 @@ def _plain_decode(cache: DynamicCache, start: int, inputs: SpanTensors, start_fr
     if mask is not None and (tuple(mask.shape) != (rows, past + 1) or not bool(mask[:, -1].all())):
         return False
     return inputs.position_ids is None or tuple(inputs.position_ids.shape) == (rows, 1)
+
+
+def _plain_prompt(
+    cache: DynamicCache, start: int, inputs: SpanTensors, start_from: int | None, max_tokens: int
+) -> bool:  # fmt: skip
+    """A step that may share a forward with other fresh sessions' prompts: the first tokens (2 to max_tokens, one
+    row) of a session holding nothing yet, at positions 0, 1, ..., without padding, prompts, LoRA weights or
+    reordering (anything else runs alone)."""
+    hidden = inputs.hidden
+    if hidden.dim() != 3 or hidden.shape[0] != 1 or not 1 < hidden.shape[1] <= max_tokens:
+        return False
+    if inputs.hypo_ids is not None or inputs.prompts is not None or inputs.lora is not None:
+        return False
+    if inputs.grad_outputs is not None or start_from not in (None, 0) or cache.get_seq_length(start) != 0:
+        return False
+    tokens = hidden.shape[1]
+    mask, positions = inputs.attention_mask, inputs.position_ids
+    if mask is not None and (tuple(mask.shape) != (1, tokens) or not bool(mask.all())):
+        return False
+    return positions is None or (
+        tuple(positions.shape) == (1, tokens) and torch.equal(positions[0].long(), torch.arange(tokens))
+    )
 
 
 @contextlib.contextmanager

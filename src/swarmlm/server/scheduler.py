@@ -35,7 +35,8 @@ class Kind(IntEnum):
 
 @dataclass(frozen=True, eq=False)
 class DecodeStep:
-    """A one-token step of a session that may share one forward with other sessions' steps."""
+    """A one-token step of a session that may share one forward with other sessions' steps; or the prompt of a fresh
+    session (several tokens, one row), which may share one forward with other fresh sessions' prompts."""
 
     start: int  # blocks [start, end): only steps over the same blocks run together
     end: int
@@ -44,15 +45,25 @@ class DecodeStep:
     adapter: str | None = None  # the session's LoRA adapter: only steps with the same one share a forward
     mask: torch.Tensor | None = None  # (rows, history + 1): the session's padding mask (None: no padding)
     positions: torch.Tensor | None = None  # (rows, 1): the rows' position ids (None: the history's length)
+    budget: int = 0  # of a prompt: the most tokens of all prompts in the forward it joins (the server's chunk)
 
     @property
     def rows(self) -> int:
         return self.hidden.shape[0]
 
     @property
-    def key(self) -> tuple[int, int, str | None]:
-        """Its blocks and adapter: only steps with the same key run as one forward."""
-        return self.start, self.end, self.adapter
+    def tokens(self) -> int:
+        return self.hidden.shape[1]
+
+    @property
+    def prompt(self) -> bool:
+        """A fresh session's prompt (several tokens) rather than a one-token decode step."""
+        return self.hidden.shape[1] > 1
+
+    @property
+    def key(self) -> tuple[int, int, str | None, bool]:
+        """Its blocks, adapter and kind (prompt or decode step): only steps with the same key run as one forward."""
+        return self.start, self.end, self.adapter, self.prompt
 
 
 @dataclass(eq=False)
@@ -93,9 +104,10 @@ class BatchLimits:
 
 def next_batch(queue: Sequence[Task], limits: BatchLimits, last_served: Mapping[str, int]) -> list[Task]:
     """The tasks to run next: from the most urgent class present, the waiting task of the peer served least
-    recently (round robin between peers; arrival order breaks ties), joined, if it is a decode step, by the other
-    decode steps over the same blocks with the same adapter, peers in the same order, within `limits`. Empty only
-    for an empty queue."""
+    recently (round robin between peers; arrival order breaks ties), joined, if it is a decode step (or a fresh
+    session's prompt), by the other decode steps (prompts) over the same blocks with the same adapter, peers in the
+    same order, within `limits` (and, for prompts, their tokens within the head's budget). Empty only for an empty
+    queue."""
     if not queue:
         return []
     kind = min(task.kind for task in queue)
@@ -106,6 +118,7 @@ def next_batch(queue: Sequence[Task], limits: BatchLimits, last_served: Mapping[
     if head.decode is None:
         return [head]
     batch, rows, caches = [head], head.decode.rows, {id(head.decode.cache)}
+    tokens, budget = head.decode.tokens, min(limits.max_join_tokens, head.decode.budget)
     for task in order[1:]:
         step = task.decode
         if len(batch) >= limits.max_sessions:
@@ -114,14 +127,18 @@ def next_batch(queue: Sequence[Task], limits: BatchLimits, last_served: Mapping[
             continue
         if rows + step.rows > limits.max_rows or id(step.cache) in caches:
             continue
+        if step.prompt and tokens + step.tokens > budget:
+            continue
         batch.append(task)
         rows += step.rows
+        tokens += step.tokens
         caches.add(id(step.cache))
     return batch
 
 
 def _same_forward(step: DecodeStep, head: DecodeStep) -> bool:
-    """Steps run as one forward only over the same blocks with the same LoRA adapter."""
+    """Steps run as one forward only over the same blocks with the same LoRA adapter, and prompts only with
+    prompts."""
     return step.key == head.key
 
 
@@ -165,7 +182,7 @@ _DUE_SLACK_S = 0.005
 class _Rhythm:
     """When a session's decode steps arrive: the last one, and the smoothed interval between them."""
 
-    key: tuple[int, int, str | None]  # DecodeStep.key of its steps
+    key: tuple[int, int, str | None, bool]  # DecodeStep.key of its steps
     last_s: float
     interval_s: float | None = None
 
@@ -192,7 +209,8 @@ _UNFINISHED: Any = object()
 
 class Scheduler:
     """Queues requests from the handlers (on the event loop) and runs them on `executor` (one thread), one batch at a
-    time: a lone task by its own `run`, several decode steps by `run_decodes` (a result per step, in order)."""
+    time: a lone task by its own `run`, several decode steps (or prompts) by `run_decodes` (a result per step, in
+    order)."""
 
     def __init__(
         self, executor: Executor, run_decodes: Callable[[list[DecodeStep]], list[Any]], limits: BatchLimits,
@@ -210,6 +228,8 @@ class Scheduler:
         self.batched_steps = 0  # forwards that ran decode steps of more than one session
         self.batched_sessions = 0  # session steps that ran in those forwards
         self.max_sessions_per_step = 1  # most sessions in one forward so far
+        self.joined_prompts = 0  # forwards that ran the prompts of more than one fresh session
+        self.joined_prompt_sessions = 0  # prompts that ran in those forwards
         self.joined_runs = 0  # forward/backward computations that ran requests of more than one caller
         self.joined_requests = 0  # requests that ran in those computations
         self.depth = DepthMeter()  # turns a new request waits for, averaged over time (announced in the record)
@@ -235,7 +255,7 @@ class Scheduler:
         future: asyncio.Future[Any] = loop.create_future()
         task = Task(kind, peer, self._arrivals, run, decode, join if self.run_joined else None, future)
         task.arrived = time.monotonic()
-        if decode is not None:
+        if decode is not None and not decode.prompt:  # a session's rhythm is that of its decode steps
             self._track(decode, task.arrived)
         self.queue.append(task)
         self._arrived.set()
@@ -316,7 +336,7 @@ class Scheduler:
         """The most sessions a decode batch like `batch` holds and waits for: a cohort of the sessions active over
         its blocks (BatchLimits.stages), unless this server is behind."""
         head = batch[0].decode if batch else None
-        if head is None or self.limits.stages <= 1 or self.busy_share() >= SATURATED_SHARE:
+        if head is None or head.prompt or self.limits.stages <= 1 or self.busy_share() >= SATURATED_SHARE:
             return self.limits.max_sessions
         now = time.monotonic()
         active = sum(1 for r in self._rhythms.values() if r.key == head.key and now - r.last_s <= self.limits.active_s)
@@ -328,9 +348,9 @@ class Scheduler:
         for all costs little more than one for a few, so concurrent sessions fall into step and share forwards. A
         session whose next step is not expected that soon (a slow link, a pause) is never waited for."""
         head = batch[0].decode if batch else None
-        if head is None or self.limits.decode_wait_s <= 0 or len(batch) >= cohort:
+        if head is None or head.prompt or self.limits.decode_wait_s <= 0 or len(batch) >= cohort:
             return False
-        if any(task.decode is None for task in self.queue):
+        if any(task.decode is None or task.decode.prompt for task in self.queue):
             return False  # other work waits too: run what is here
         now = time.monotonic()
         deadline = min(task.arrived for task in batch) + self.limits.decode_wait_s
@@ -381,6 +401,10 @@ class Scheduler:
             return self._advance(batch[0])
         steps = [task.decode for task in batch if task.decode is not None]
         results = self.run_decodes(steps)
+        if steps[0].prompt:
+            self.joined_prompts += 1
+            self.joined_prompt_sessions += len(steps)
+            return results
         self.batched_steps += 1
         self.batched_sessions += len(steps)
         self.max_sessions_per_step = max(self.max_sessions_per_step, len(steps))
