@@ -2,9 +2,10 @@
 
 Prints (1) the aggregate greedy decode rate of 1, 4 and 8 users generating different prompts at once through 2
 servers (their decode steps batch on the servers, their LM heads on the client), with the p50/p95 gap between a
-user's tokens and the CPU time each process spends per token, against local generate() of the same 8 prompts one
-after another, and (2) how much one user's decode latency grows while another client runs 2048-token
-forward/backward passes through the same servers (the servers run inference steps before forward and backward work).
+user's tokens, the time to each user's first token and the CPU time each process spends per token, against local
+generate() of the same 8 prompts one after another, and (2) how much one user's decode latency grows while another
+client runs 2048-token forward/backward passes through the same servers (the servers run inference steps before
+forward and backward work).
 """
 
 from __future__ import annotations
@@ -57,9 +58,9 @@ def greedy(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, streamer:
 
 def together(
     model: torch.nn.Module, inputs: list[torch.Tensor], new_tokens: int
-) -> tuple[float, float, list[float], list[list[int]]]:
+) -> tuple[float, float, list[float], list[list[int]], list[float]]:
     """Aggregate new tokens/s of all prompts generated at once (one thread each), the aggregate while all of them
-    decode (steady_rate), every user's gaps between tokens, and the outputs."""
+    decode (steady_rate), every user's gaps between tokens, the outputs, and each user's time to its first token."""
     outputs: list[list[int]] = [[] for _ in inputs]
     clocks = [Gaps() for _ in inputs]
 
@@ -73,7 +74,8 @@ def together(
     for thread in threads:
         thread.join()
     rate = len(inputs) * new_tokens / (time.perf_counter() - began)
-    return rate, steady_rate(clocks), [gap for clock in clocks for gap in clock.gaps()], outputs
+    first = [clock.times[1] - began for clock in clocks]  # times[0]: the prompt, put before generation starts
+    return rate, steady_rate(clocks), [gap for clock in clocks for gap in clock.gaps()], outputs, first
 
 
 def steady_rate(clocks: list[Gaps]) -> float:
@@ -187,6 +189,7 @@ def main() -> None:
             rates: dict[int, list[float]] = {n: [] for n in counts}
             steady: dict[int, list[float]] = {n: [] for n in counts}  # while all users decode
             gaps: dict[int, list[float]] = {n: [] for n in counts}
+            firsts: dict[int, list[float]] = {n: [] for n in counts}  # each user's time to its first token
             spent: dict[int, dict[str, float]] = {n: {} for n in counts}
             rows: dict[int, list[int]] = {n: [0, 0] for n in counts}  # head rows, head products
             sizes: dict[int, list[int]] = {n: [] for n in counts}  # sessions of each server decode batch
@@ -195,13 +198,14 @@ def main() -> None:
                 for users in counts:
                     before, head_before = cpu_seconds(), (head.batches, head.rows)
                     logged = [len(batch_sizes(server.log_path)) for server in swarm.servers]
-                    rate, decoding, user_gaps, outputs = together(m, inputs[:users], args.new_tokens)
+                    rate, decoding, user_gaps, outputs, first = together(m, inputs[:users], args.new_tokens)
                     after = cpu_seconds()
                     if outputs != expected[:users]:
                         raise SystemExit("the swarm generated other tokens than the local model")
                     rates[users].append(rate)
                     steady[users].append(decoding)
                     gaps[users].extend(user_gaps)
+                    firsts[users].extend(first)
                     for role in after:
                         spent[users][role] = spent[users].get(role, 0.0) + after[role] - before.get(role, 0.0)
                     rows[users][0] += head.rows - head_before[1]
@@ -241,6 +245,9 @@ def main() -> None:
           "vs 1 round by round: "
           + ", ".join(f"{b / a:.2f}" for a, b in zip(rates[1], rates[many], strict=True)) + "; decoding "
           + ", ".join(f"{b / a:.2f}" for a, b in zip(steady[1], steady[many], strict=True)) + ")")  # fmt: skip
+    print("time to first token, ms, median / slowest user over the rounds (all prompts sent at once): "
+          + ", ".join(f"{n} user(s) {statistics.median(firsts[n]) * 1000:.0f} / {max(firsts[n]) * 1000:.0f}"
+                      for n in counts))  # fmt: skip
     roles = sorted(cpu[len(inputs)])
     print(f"\nCPU ms per generated token (prompts included), by process: {', '.join(roles)}, total")
     for users, by_role in cpu.items():
