@@ -169,6 +169,36 @@ def test_decode_steps_batch_while_the_compute_thread_is_busy(stages: int, hold_s
     assert results == ["forward done", *([1.0, 2.0, 3.0] if batched else ["alone"] * 3), "alone"]
 
 
+@pytest.mark.parametrize(("later_stages", "joined"), [(0, [4]), (1, [2, 2]), (2, [2, 2])])
+def test_prompts_waiting_together_split_when_servers_come_after(later_stages: int, joined: list[int]) -> None:
+    """Four fresh sessions' prompts queued while the thread is busy: the last server of a chain runs them as one
+    forward; one with servers after it runs them in 1 + later_stages groups (the next server starts on the first
+    group meanwhile; 4 prompts over 3 groups: 2, then 2, each a cohort of what is left), each caller getting its
+    own result."""
+    release = threading.Event()
+    batches: list[int] = []
+
+    def run_decodes(steps: list[DecodeStep]) -> list[int]:
+        batches.append(len(steps))
+        return [step.tokens for step in steps]
+
+    async def main() -> list[object]:
+        limits = BatchLimits(stages=1 + later_stages, later_stages=later_stages)
+        scheduler = Scheduler(ThreadPoolExecutor(1), run_decodes, limits)
+        first = asyncio.ensure_future(scheduler.submit(Kind.FORWARD, "x", lambda: release.wait(10)))
+        await asyncio.sleep(0.05)  # the forward holds the thread
+        prompts = [
+            asyncio.ensure_future(scheduler.submit(Kind.INFERENCE, "a", lambda: "alone", prompt(tokens, 1000)))
+            for tokens in (10, 11, 12, 13)
+        ]
+        await asyncio.sleep(0.05)
+        release.set()
+        return await asyncio.gather(first, *prompts)
+
+    assert asyncio.run(main()) == [True, 10, 11, 12, 13]
+    assert batches == joined
+
+
 def test_a_failure_reaches_its_callers_and_the_queue_goes_on() -> None:
     def boom() -> None:
         raise ValueError("bad")

@@ -82,6 +82,9 @@ class Task:
     quanta: Generator[None, None, Any] | None = field(default=None, repr=False)
     members: list[Task] | None = field(default=None, repr=False)  # of a joined task: the requests it runs
     arrived: float = 0.0  # time.monotonic() when it was queued
+    # of a prompt left over when prompts waiting together were split into groups: the size of each group (the rest
+    # of the wave is not split again)
+    group: int = 0
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,9 @@ class BatchLimits:
     # one cohort of all sessions would leave every server idle until it comes round again. A server that is behind
     # (busy almost all the time: SATURATED_SHARE) batches all the steps it has instead.
     stages: int = 1
+    # of those, how many come after this one: fresh sessions' prompts waiting together run as 1 + later_stages
+    # forwards (the next server starts on the first while this one computes the next); the last server joins them
+    later_stages: int = 0
 
 
 def next_batch(queue: Sequence[Task], limits: BatchLimits, last_served: Mapping[str, int]) -> list[Task]:
@@ -276,6 +282,8 @@ class Scheduler:
             batch = next_batch(self.queue, self.limits, self.last_served)
             cohort = self._cohort(batch)
             if batch and batch[0].decode is not None:
+                for task in batch[cohort:] if batch[0].decode.prompt else ():
+                    task.group = cohort
                 batch = batch[:cohort]  # the rest runs next, as the next cohort
             if await self._wait_for_more(batch, cohort):
                 continue
@@ -334,13 +342,27 @@ class Scheduler:
 
     def _cohort(self, batch: list[Task]) -> int:
         """The most sessions a decode batch like `batch` holds and waits for: a cohort of the sessions active over
-        its blocks (BatchLimits.stages), unless this server is behind."""
+        its blocks (BatchLimits.stages), unless this server is behind. Prompts waiting together split likewise when
+        servers come after this one (BatchLimits.later_stages): the next one starts on the first group while this
+        one computes the next, where one forward of all of them would keep it idle until that ended (on a CPU a
+        joined prompt costs nearly what it costs alone, so joining them all saves little)."""
         head = batch[0].decode if batch else None
-        if head is None or head.prompt or self.limits.stages <= 1 or self.busy_share() >= SATURATED_SHARE:
+        if head is None or self.busy_share() >= SATURATED_SHARE:
             return self.limits.max_sessions
-        now = time.monotonic()
-        active = sum(1 for r in self._rhythms.values() if r.key == head.key and now - r.last_s <= self.limits.active_s)
-        return max(1, min(self.limits.max_sessions, -(-active // self.limits.stages)))
+        if head.prompt:
+            if batch[0].group:
+                return batch[0].group
+            groups = 1 + self.limits.later_stages
+            sessions = sum(1 for task in self.queue if task.decode is not None and task.decode.key == head.key)
+        else:
+            now = time.monotonic()
+            groups = self.limits.stages
+            sessions = sum(
+                1 for r in self._rhythms.values() if r.key == head.key and now - r.last_s <= self.limits.active_s
+            )  # fmt: skip
+        if groups <= 1:
+            return self.limits.max_sessions
+        return max(1, min(self.limits.max_sessions, -(-sessions // groups)))
 
     async def _wait_for_more(self, batch: list[Task], cohort: int) -> bool:
         """Whether a decode batch waited for the steps of other sessions over the same blocks that are due within

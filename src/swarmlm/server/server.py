@@ -131,7 +131,8 @@ class Server:
             logger.info("Quantized blocks %d:%d to %s: %.2f MB per block (%.2f MB before)", start, end, cfg.quant,
                         module_bytes(span.layers) / (end - start) / 1e6, before / (end - start) / 1e6)  # fmt: skip
         stages = max(1, round(self.num_blocks_total / (end - start)))  # a chain of spans like this one
-        limits = BatchLimits(decode_wait_s=cfg.decode_wait_s, stages=stages)
+        later = max(0, round((self.num_blocks_total - end) / (end - start)))  # of them, after this one
+        limits = BatchLimits(decode_wait_s=cfg.decode_wait_s, stages=stages, later_stages=later)
         backend = SpanBackend(span, DTYPES[cfg.dtype], cfg.device, cfg.max_tokens_per_request, limits)
         self.throughput = backend.measure_throughput()
         self.inference_throughput = backend.measure_inference_throughput()
