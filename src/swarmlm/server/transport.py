@@ -18,6 +18,9 @@ with "stream reset" and makes it `Reset()` the stream, racing the FIN. Whenever 
 whatever of our last reply its daemon had not read yet: on a loaded machine, now and then a reply was lost.
 So a reply written after the peer ended its side (a forward, a backward, an info answer) is followed by a linger:
 the peer, which closes as soon as it has read its one reply, closes first, and the lost-reply race cannot happen.
+A refusal written while the peer is still sending (a frame over the limits, a malformed part) is followed by a
+drain: what the peer sends on is read and dropped, within a time and a byte bound, until it closes, so the refusal
+reaches it rather than a reset.
 """
 
 from __future__ import annotations
@@ -52,6 +55,10 @@ METHODS = ("rpc_forward", "rpc_backward", "rpc_inference", "rpc_push", "rpc_info
 TENSORS_FIELD = 2
 # our parts have 1-3 top-level fields; a frame of thousands of tiny fields is refused without parsing it
 MAX_FIELDS_PER_PART = 64
+# after a refusal, at most this much of what the peer sends on is read and dropped (at most CLOSE_LINGER_S long)
+# before the stream closes: a few maximal requests, while the refusal travels to the peer
+MAX_DRAIN_BYTES = 64 << 20
+DRAIN_READ_BYTES = 1 << 16  # one read of that drain
 
 # handlers are async generators: closing one runs its cleanup
 Replies = AsyncGenerator[runtime_pb2.ExpertResponse, None]
@@ -80,6 +87,7 @@ class _Stream:
         self.vanished = False  # the connection broke (not a clean end of stream)
         self.ended = False  # the peer ended its side cleanly: it sends nothing more
         self.reply_after_end = False  # the last reply was written after that end (the peer may still be reading it)
+        self.wrote_last = False  # the handler's last reply (or error) reached the stream within its deadline
 
     async def requests(self) -> AsyncIterator[runtime_pb2.ExpertRequest]:
         """What the handler iterates: parsed frames, then the end; a limit hit while reading raises LimitError."""
@@ -231,7 +239,12 @@ async def _serve_stream(
             await asyncio.wait({processing, reading}, return_when=asyncio.FIRST_COMPLETED)
             if reading.done() and stream.vanished:
                 break
-        if stream.reply_after_end and not reading.done():
+        if stream.wrote_last and not stream.ended and not stream.vanished:
+            # answered (refused) while the peer still sends: it stops when it reads that, so let it close first
+            reading.cancel()
+            await asyncio.gather(reading, return_exceptions=True)
+            await _drain(reader)
+        elif stream.reply_after_end and not reading.done():
             # the peer reads its reply and closes: let it close first (see the module's docstring)
             await asyncio.wait({reading}, timeout=CLOSE_LINGER_S)
     finally:
@@ -251,9 +264,23 @@ async def _answer(
         await _send_all(replies, stream, writer, limits)
     except Exception as e:  # noqa: BLE001 - a handler's failure reaches the peer as a short error, as in hivemind
         logger.warning("handler failed peer=...%s: %s", stream.peer[-6:], short(f"{type(e).__name__}: {e}"))
+        stream.wrote_last = False
         with contextlib.suppress(Exception):
             error = RPCError(message=short(f"{type(e).__name__}: {e}"))
             await asyncio.wait_for(send_frames(writer, [error]), limits.write_timeout_s)
+            stream.wrote_last = True
+
+
+async def _drain(reader: asyncio.StreamReader) -> None:
+    """Read and drop what the peer sends until it closes, for at most CLOSE_LINGER_S and MAX_DRAIN_BYTES."""
+    loop = asyncio.get_running_loop()
+    deadline, dropped = loop.time() + CLOSE_LINGER_S, 0
+    with contextlib.suppress(TimeoutError, ConnectionError):
+        while dropped < MAX_DRAIN_BYTES:
+            data = await asyncio.wait_for(reader.read(DRAIN_READ_BYTES), max(0.0, deadline - loop.time()))
+            if not data:
+                return
+            dropped += len(data)
 
 
 async def _send_all(
@@ -264,6 +291,7 @@ async def _send_all(
         async for reply in replies:
             stream.answered()
             stream.reply_after_end = stream.ended
+            stream.wrote_last = False
             try:
                 await asyncio.wait_for(send_frames(writer, [reply]), limits.write_timeout_s)
             except TimeoutError:
@@ -273,3 +301,4 @@ async def _send_all(
             except (ConnectionError, RuntimeError):
                 logger.debug("peer ...%s closed its stream", stream.peer[-6:])
                 return
+            stream.wrote_last = True
