@@ -75,3 +75,19 @@ def test_wrong_or_non_finite_replies_are_the_servers_failure(outputs: list[torch
         check_outputs(outputs, [Expected(torch.Size([2, 3, 64]), torch.float32)], "rpc_forward", "peer123456")
     assert info.value.peer_id == "peer123456"
     check_outputs([torch.zeros(2, 3, 64)], [Expected(torch.Size([2, 3, 64]), torch.float32)], "rpc_forward", "p")
+
+
+def test_a_server_whose_record_lapses_keeps_its_dtype_for_spot_checks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A check's tolerance follows the servers' dtypes: a float32 server late to re-announce must not get the
+    coarsest one (5%), which would pass its wrong results; a server never seen gets it, and the memory is bounded."""
+    manager = SequenceManager(ClientConfig(), "test", num_blocks=4)
+    manager.view.servers = {"a": SimpleNamespace(dtype="float32"), "b": SimpleNamespace(dtype="bfloat16")}  # type: ignore[misc]
+    manager._remember_dtypes()
+    manager.view.servers = {}  # both records lapsed
+    assert (manager.dtype_of("a"), manager.dtype_of("b"), manager.dtype_of("never")) == ("float32", "bfloat16",
+                                                                                          "unknown")  # fmt: skip
+    monkeypatch.setattr("swarmlm.client.sequence_manager.MAX_REMEMBERED_DTYPES", 2)
+    manager.view.servers = {"b": SimpleNamespace(dtype="bfloat16"), "c": SimpleNamespace(dtype="float32")}  # type: ignore[misc]
+    manager._remember_dtypes()
+    manager.view.servers = {}
+    assert (manager.dtype_of("a"), manager.dtype_of("b"), manager.dtype_of("c")) == ("unknown", "bfloat16", "float32")

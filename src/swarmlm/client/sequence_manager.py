@@ -28,6 +28,8 @@ logger = logging.getLogger(__name__)
 
 # polling interval while waiting for missing blocks to be served
 MISSING_BLOCKS_POLL_S = 0.5
+# servers whose announced dtype is remembered after their records lapse (the stalest are forgotten first)
+MAX_REMEMBERED_DTYPES = 4096
 
 
 async def dial(p2p: P2P, peer: PeerID, addrs: list[str]) -> None:
@@ -79,6 +81,9 @@ class SequenceManager:
         self._last_used: dict[str, float] = {}  # peer -> when a route last went through it (monotonic s)
         self._explored_at = time.monotonic()  # when a route last tried an unmeasured server (none at first)
         self._refresh_task: asyncio.Task | None = None
+        # the dtype each server announced when last in view: a spot check of a server whose record has since
+        # lapsed (late to re-announce) keeps its tolerance, not the coarsest one, which would pass wrong results
+        self._dtypes: dict[str, str] = {}
 
     @property
     def servers(self) -> dict[str, ServerRecord]:
@@ -113,6 +118,7 @@ class SequenceManager:
             logger.warning("Reading the swarm from the DHT failed: %s", repr(e))
             return
         self.view.update(records)
+        self._remember_dtypes()
         try:
             async with asyncio.timeout(self.config.dht_timeout_s):
                 self.verifier.reported = set(await reports.fetch_reported(self.dht, self.dht_prefix))
@@ -130,10 +136,18 @@ class SequenceManager:
         too_small = {peer for peer in self.servers if (self.max_tokens_of(peer) or tokens) < tokens}
         return self.health.banned() | set(avoid) | too_small
 
+    def _remember_dtypes(self) -> None:
+        for peer, record in self.servers.items():
+            self._dtypes.pop(peer, None)  # re-inserted last: the stalest entries come first
+            self._dtypes[peer] = record.dtype
+        while len(self._dtypes) > MAX_REMEMBERED_DTYPES:
+            del self._dtypes[next(iter(self._dtypes))]
+
     def dtype_of(self, peer_id: str) -> str:
-        """The compute dtype a server announces ("unknown" for one no longer in view: the coarsest tolerance)."""
+        """The compute dtype a server announces, or announced when last in view ("unknown" for one never seen:
+        the coarsest tolerance)."""
         record = self.servers.get(peer_id)
-        return "unknown" if record is None else record.dtype
+        return self._dtypes.get(peer_id, "unknown") if record is None else record.dtype
 
     def max_tokens_of(self, peer_id: str) -> int | None:
         """The per-request token limit a server announces, if it announces one."""
