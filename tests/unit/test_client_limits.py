@@ -81,13 +81,14 @@ def test_a_server_whose_record_lapses_keeps_its_dtype_for_spot_checks(monkeypatc
     """A check's tolerance follows the servers' dtypes: a float32 server late to re-announce must not get the
     coarsest one (5%), which would pass its wrong results; a server never seen gets it, and the memory is bounded."""
     manager = SequenceManager(ClientConfig(), "test", num_blocks=4)
-    manager.view.servers = {"a": SimpleNamespace(dtype="float32"), "b": SimpleNamespace(dtype="bfloat16")}  # type: ignore[misc]
-    manager._remember_dtypes()
-    manager.view.servers = {}  # both records lapsed
-    assert (manager.dtype_of("a"), manager.dtype_of("b"), manager.dtype_of("never")) == ("float32", "bfloat16",
-                                                                                          "unknown")  # fmt: skip
+
+    def seen(dtypes: dict[str, str]) -> None:  # a refresh that saw these records, then they all lapsed
+        manager.view.servers = {peer: SimpleNamespace(dtype=d) for peer, d in dtypes.items()}  # type: ignore[misc]
+        manager._remember_dtypes()
+        manager.view.servers = {}
+
+    seen({"a": "float32", "b": "bfloat16"})
+    assert [manager.dtype_of(peer) for peer in ("a", "b", "never")] == ["float32", "bfloat16", "unknown"]
     monkeypatch.setattr("swarmlm.client.sequence_manager.MAX_REMEMBERED_DTYPES", 2)
-    manager.view.servers = {"b": SimpleNamespace(dtype="bfloat16"), "c": SimpleNamespace(dtype="float32")}  # type: ignore[misc]
-    manager._remember_dtypes()
-    manager.view.servers = {}
-    assert (manager.dtype_of("a"), manager.dtype_of("b"), manager.dtype_of("c")) == ("unknown", "bfloat16", "float32")
+    seen({"b": "bfloat16", "c": "float32"})
+    assert [manager.dtype_of(peer) for peer in ("a", "b", "c")] == ["unknown", "bfloat16", "float32"]

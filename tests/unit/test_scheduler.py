@@ -172,9 +172,9 @@ def test_decode_steps_batch_while_the_compute_thread_is_busy(stages: int, hold_s
 @pytest.mark.parametrize(("later_stages", "joined"), [(0, [4]), (1, [2, 2]), (2, [2, 2])])
 def test_prompts_waiting_together_split_when_servers_come_after(later_stages: int, joined: list[int]) -> None:
     """Four fresh sessions' prompts queued while the thread is busy: the last server of a chain runs them as one
-    forward; one with servers after it runs them in 1 + later_stages groups (the next server starts on the first
-    group meanwhile; 4 prompts over 3 groups: 2, then 2, each a cohort of what is left), each caller getting its
-    own result."""
+    forward; one with servers after it runs them in groups of ceil(4 / (1 + later_stages)) (the next server starts
+    on the first group meanwhile; over 3 groups: 2, then the 2 left, which are not split again), each caller
+    getting its own result."""
     release = threading.Event()
     batches: list[int] = []
 

@@ -282,8 +282,9 @@ class Scheduler:
             batch = next_batch(self.queue, self.limits, self.last_served)
             cohort = self._cohort(batch)
             if batch and batch[0].decode is not None:
-                for task in batch[cohort:] if batch[0].decode.prompt else ():
-                    task.group = cohort
+                if batch[0].decode.prompt:
+                    for task in batch[cohort:]:
+                        task.group = cohort  # the rest of this wave runs in groups of the same size
                 batch = batch[:cohort]  # the rest runs next, as the next cohort
             if await self._wait_for_more(batch, cohort):
                 continue
