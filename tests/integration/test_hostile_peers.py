@@ -27,6 +27,7 @@ from swarmlm.protocol.messages import (
     InferenceOpen,
     InferenceStep,
     InfoRequest,
+    PushStep,
     ReplyHeader,
     ServerInfo,
 )
@@ -359,6 +360,49 @@ def test_huge_header_gets_a_short_error(swarm, raw: RawClient) -> None:
 def test_forward_longer_than_the_context_is_refused(swarm, raw: RawClient) -> None:
     reply = raw.forward(FORWARD, [torch.randn(1, 300, 64)])
     assert reply.error_kind == "bad_request" and "context" in reply.error
+
+
+def test_steps_pushed_faster_than_a_session_runs_them_close_it_at_once(swarm, raw: RawClient) -> None:
+    """A peer that knows a session's id pushes it 16 steps at once: the first that finds the session's inbox full is
+    refused as busy, and the session's client is told at once that the session closed (busy), rather than waiting
+    for a step that will never run until its idle timeout or deadline."""
+    session_id = os.urandom(16).hex()
+    reader, writer = open_raw(raw, "rpc_inference")
+    header = InferenceOpen(start_block=0, end_block=5, batch_size=1, max_length=16, session_id=session_id)
+    write(raw, writer, b"".join(frame(p) for p in encode(header, [], runtime_pb2.ExpertRequest)))
+    assert read_reply(raw, reader).ok
+    push_reader, push_writer = open_raw(raw, "rpc_push")
+    step = PushStep(tensors=["hidden"], session_id=session_id, start_from_position=0)
+    pushes = 16
+    write(raw, push_writer, b"".join(
+        frame(p) for _ in range(pushes) for p in encode(step, [torch.randn(1, 1, 64)], runtime_pb2.ExpertRequest)
+    ))  # fmt: skip
+
+    async def acknowledgements() -> list[ReplyHeader]:
+        parts, got = reply_parts(push_reader), []
+        for _ in range(pushes):
+            message = await read_message(parts, ReplyHeader, max_bytes=0)
+            assert message is not None, "the push stream ended early"
+            got.append(message[0])
+        return got
+
+    async def session_replies() -> list[ReplyHeader]:
+        """The client's replies until the first refusal (or the end of its stream)."""
+        parts, got = reply_parts(reader), []
+        while (message := await read_message(parts, ReplyHeader, max_bytes=1 << 26)) is not None:
+            got.append(message[0])
+            if not message[0].ok:
+                break
+        return got
+
+    began = time.monotonic()
+    replies = raw.loop.run(asyncio.wait_for(session_replies(), ANSWER_S))
+    closed_after = time.monotonic() - began
+    acks = raw.loop.run(asyncio.wait_for(acknowledgements(), ANSWER_S))
+    assert any(a.error_kind == "busy" and "steps waiting" in a.error for a in acks), acks
+    assert replies and replies[-1].error_kind == "busy" and "pushed" in replies[-1].error, replies
+    assert closed_after < IDLE_TIMEOUT_S  # told at once, not by the idle timeout
+    assert all(r.ok for r in replies[:-1]) and len(replies) - 1 <= pushes  # the steps that ran were answered
 
 
 def test_honest_client_is_served_after_the_attacks(swarm, tiny_model_dir: Path) -> None:

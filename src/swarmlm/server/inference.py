@@ -46,6 +46,15 @@ class Pusher(Protocol):
 Message = tuple[InferenceStep, list]
 
 
+class _Inbox:
+    """The steps pushed to one open session, waiting to run; `overflowed` is set when a pusher sent more than it
+    holds (a step was refused, so the session's steps can no longer follow each other: it closes)."""
+
+    def __init__(self) -> None:
+        self.steps: asyncio.Queue[Message] = asyncio.Queue(PUSH_QUEUE_STEPS)
+        self.overflowed = asyncio.Event()
+
+
 class InferenceSessions:
     """Serves inference streams: open (reserve cache) -> steps -> close (client ends the stream, or idle timeout)."""
 
@@ -61,7 +70,7 @@ class InferenceSessions:
         self.accepting = True  # False while the server drains: new sessions are refused as busy
         self._closing = asyncio.Event()  # set to close every open session (each is told "busy" and rebuilt elsewhere)
         self.pusher = pusher
-        self._pushed: dict[str, asyncio.Queue[Message]] = {}  # steps pushed to open sessions, by session id
+        self._pushed: dict[str, _Inbox] = {}  # steps pushed to open sessions, by session id
         self.pushes_received = 0  # pushed steps accepted (stats: they show steps travelled server to server)
 
     def stop_accepting(self) -> None:
@@ -89,9 +98,9 @@ class InferenceSessions:
         if session is None:
             return
         tokens = session.batch_size * session.max_length
-        inbox: asyncio.Queue[Message] | None = None
+        inbox: _Inbox | None = None
         if session.session_id is not None:
-            inbox = self._pushed[session.session_id] = asyncio.Queue(PUSH_QUEUE_STEPS)
+            inbox = self._pushed[session.session_id] = _Inbox()
         held = _HeldLora(self.ledger, peer)
         self.open_sessions += 1
         logger.info("inference open blocks=%d:%d batch=%d max_length=%d peer=...%s", session.start_block,
@@ -137,15 +146,19 @@ class InferenceSessions:
         return session
 
     def accept_push(self, header: PushStep, tensors: list) -> ReplyHeader:
-        """Queue a step pushed by the previous server of a session's route; it runs as a step of that session."""
+        """Queue a step pushed by the previous server of a session's route; it runs as a step of that session. A step
+        that finds the session's inbox full is refused, and the session closes at once with a busy error to its
+        client: the pusher may have answered the client before reading this refusal (server/push.py), so the
+        client would otherwise wait for this step's output until its deadline."""
         inbox = self._pushed.get(header.session_id)
         if inbox is None:
             return ReplyHeader(ok=False, error="no open session has this id", error_kind="bad_request")
-        if inbox.full():
+        if inbox.steps.full():
+            inbox.overflowed.set()
             return ReplyHeader(ok=False, error="server busy: the session has steps waiting", error_kind="busy")
         step = InferenceStep(tensors=header.tensors, start_from_position=header.start_from_position,
                              next_hops=header.next_hops, int8=header.int8)  # fmt: skip
-        inbox.put_nowait((step, tensors))
+        inbox.steps.put_nowait((step, tensors))
         self.pushes_received += 1
         return ReplyHeader(ok=True)
 
@@ -165,7 +178,7 @@ class InferenceSessions:
         return await self.pusher(hop, message, pushed.tensors())
 
     async def _steps(
-        self, requests: AsyncIterator, session: InferenceOpen, peer: str, inbox: asyncio.Queue[Message] | None,
+        self, requests: AsyncIterator, session: InferenceOpen, peer: str, inbox: _Inbox | None,
         held: _HeldLora,
     ) -> Replies:  # fmt: skip
         cache = GrowingCache(max_tokens=session.max_length)
@@ -182,7 +195,7 @@ class InferenceSessions:
                     self.pusher.forget(session_id)
 
     async def _run_steps(
-        self, reader: _Reader, session: InferenceOpen, peer: str, inbox: asyncio.Queue[Message] | None,
+        self, reader: _Reader, session: InferenceOpen, peer: str, inbox: _Inbox | None,
         cache: DynamicCache, pushed_to: set[str], held: _HeldLora,
     ) -> Replies:  # fmt: skip
         requests = reader.requests
@@ -192,6 +205,12 @@ class InferenceSessions:
             except _Closing:
                 logger.info("inference session closed by the server (leaving its blocks) peer=...%s", peer)
                 yield _reply(ReplyHeader(ok=False, error="server busy: it left these blocks", error_kind="busy"))
+                return
+            except _Overflowed:
+                logger.warning("inference session closed: steps were pushed to it faster than it runs them peer=...%s",
+                               peer)  # fmt: skip
+                error = "server busy: steps were pushed to this session faster than it runs them (one was refused)"
+                yield _reply(ReplyHeader(ok=False, error=error, error_kind="busy"))
                 return
             except TimeoutError:
                 logger.info("inference session idle for %.0f s, closing peer=...%s", self.idle_timeout_s, peer)
@@ -240,22 +259,34 @@ class InferenceSessions:
             for part in encode(reply, outputs, runtime_pb2.ExpertResponse):
                 yield part
 
-    async def _next_step(self, reader: _Reader, inbox: asyncio.Queue[Message] | None) -> Message | None:
+    async def _next_step(self, reader: _Reader, inbox: _Inbox | None) -> Message | None:
         """The next step, from the client or pushed by the previous server (None: the client ended the stream);
-        raises _Closing when close_all() comes first, TimeoutError after idle_timeout_s without a step."""
+        raises _Closing when close_all() comes first, _Overflowed once a pushed step was refused for want of room,
+        TimeoutError after idle_timeout_s without a step."""
         closing = self._closing
         if closing.is_set():
             raise _Closing
+        if inbox is not None and inbox.overflowed.is_set():
+            raise _Overflowed
         read = reader.next()
         closed = asyncio.ensure_future(closing.wait())
-        pushed = asyncio.ensure_future(inbox.get()) if inbox is not None else None
-        waiting: set[asyncio.Future[Any]] = {read, closed} if pushed is None else {read, closed, pushed}
+        waiting: set[asyncio.Future[Any]] = {read, closed}
+        pushed: asyncio.Future[Message] | None = None
+        overflowed: asyncio.Future[Any] | None = None
+        if inbox is not None:
+            pushed = asyncio.ensure_future(inbox.steps.get())
+            overflowed = asyncio.ensure_future(inbox.overflowed.wait())
+            waiting |= {pushed, overflowed}
         try:
             done, _ = await asyncio.wait(waiting, timeout=self.idle_timeout_s, return_when=asyncio.FIRST_COMPLETED)
         finally:
             closed.cancel()
+            if overflowed is not None:
+                overflowed.cancel()
             if pushed is not None and not pushed.done():
                 pushed.cancel()
+        if overflowed is not None and overflowed in done:
+            raise _Overflowed
         if pushed is not None and pushed in done:
             return pushed.result()  # a read that finished too stays for the next call
         if read in done:
@@ -320,6 +351,10 @@ class _Reader:
 
 class _Closing(Exception):  # noqa: N818 - a signal between two methods, never raised out of this module
     """The server closes its sessions (it drains, then leaves or moves)."""
+
+
+class _Overflowed(Exception):  # noqa: N818 - a signal between two methods, never raised out of this module
+    """A step pushed to the session was refused: its inbox was full."""
 
 
 def _lengths(cache: DynamicCache, session: InferenceOpen) -> list[int]:

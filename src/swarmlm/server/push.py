@@ -11,8 +11,9 @@ answering its client only while the link is unproven: once the next server has a
 TRUSTED_LINK_S, the answer goes out as soon as the step is sent and the acknowledgement is read in the background
 (before the next step on that link): the wait would add a round trip between the two servers to every step's
 critical path, since the client reads each server's answer. A step the next server then refuses fails the client's
-read of that server's answer instead (its stream ends, or the client's request deadline passes) and is repaired as
-any failed step.
+read of that server's answer instead, at once (a session whose waiting pushed steps overflow is closed with a busy
+error to its client; one that no longer exists has ended its client's stream already), and is repaired as any
+failed step.
 """
 
 from __future__ import annotations
