@@ -145,3 +145,5 @@ def test_products_use_the_packed_weight_and_follow_its_changes() -> None:
             torch.testing.assert_close(batcher(head, hidden), head(hidden), rtol=1e-5, atol=1e-5)
             head.weight = torch.nn.Parameter(torch.randn(300, 64), requires_grad=False)  # replaced
             torch.testing.assert_close(batcher(head, hidden), head(hidden), rtol=1e-5, atol=1e-5)
+        many = torch.randn(20, 1, 64)  # more rows than the rows kernel takes
+        torch.testing.assert_close(batcher(head, many), head(many), rtol=1e-5, atol=1e-5)

@@ -9,9 +9,12 @@ batches them), but reach their threads a little apart, so a thread that finds fe
 generations waits briefly for the rest of its cohort: at most GATHER_MAX_S, and only while rows keep arriving (each
 within GATHER_GAP_S of the last). A generation alone never waits.
 
-Products multiply by a copy of a float32 head's weight that MKL has packed once for repeated products (its packed
-GEMM, as torch's own compiled CPU linears use): MKL's usual path repacks the weight on every call, which for a few
-rows costs about as much as the product itself (`python bench/head_batch.py` compares the two by rows). The copy is
+Products of up to 12 rows by a float32 head run in the rows kernel (client/rows_kernel.py) against a copy of the
+weight packed for it: it reads the weight once per 8 rows at about the speed memory streams, where MKL takes about
+2 and 3.5 times as long for 2 and 4 rows as for 1. Larger products run in torch. Where the kernel cannot be built
+(no C compiler), every product multiplies by a copy MKL has packed once for repeated products (its packed GEMM, as
+torch's own compiled CPU linears use): MKL's usual path repacks the weight on every call, which for a few rows
+costs about as much as the product itself. `python bench/head_batch.py` compares the three by rows. Either copy is
 made at the first product, so it costs the head's size in memory once the client generates (113 MB for SmolLM2).
 """
 
@@ -25,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F  # noqa: N812 - the usual name
+
+from swarmlm.client import rows_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +63,9 @@ class HeadBatcher:
         self.batches = 0  # products run (for statistics)
         self.rows = 0  # rows they carried
         self._last_call: dict[int, float] = {}  # thread ident -> when it last called (monotonic s)
-        # by id(head): the weight a packed copy was made of, its version then, and the copy (None: not packable)
-        self._packed: dict[int, tuple[torch.Tensor, int, torch.Tensor | None]] = {}
+        # by id(head): the weight a packed copy was made of, its version then, and the copy (the kernel's, or MKL's;
+        # None: not packable)
+        self._packed: dict[int, tuple[torch.Tensor, int, rows_kernel.PackedWeight | torch.Tensor | None]] = {}
 
     def __call__(self, head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
         mine = _Rows(head, hidden)
@@ -106,16 +112,27 @@ class HeadBatcher:
             self._lock.wait()
 
     def _product(self, head: Callable[[torch.Tensor], torch.Tensor], flat: torch.Tensor) -> torch.Tensor:
-        """head(flat) for flat (rows, hidden), by the packed weight where that applies."""
-        if type(head) is torch.nn.Linear and packable(head.weight):
-            weight, version = head.weight, _version(head.weight)
-            entry = self._packed.get(id(head))
-            if entry is None or entry[0] is not weight or entry[1] != version:  # new, replaced or changed
-                entry = self._packed[id(head)] = (weight, version, pack_weight(weight) if version >= 0 else None)
-            packed = entry[2]
-            if packed is not None:
-                rows = flat.contiguous()
-                return torch.ops.mkl._mkl_linear(rows, packed, weight, head.bias, rows.shape[0])
+        """head(flat) for flat (rows, hidden), by a packed weight where that applies."""
+        if type(head) is not torch.nn.Linear or not _float32_cpu(head.weight) or flat.dtype != torch.float32:
+            return head(flat)
+        kernel = rows_kernel.kernel()
+        if kernel is None and not packable(head.weight):
+            return head(flat)
+        if kernel is not None and flat.shape[0] > rows_kernel.MAX_ROWS:
+            return head(flat)  # beyond the kernel's rows, torch's usual product (no second copy of the weight)
+        weight, version = head.weight, _version(head.weight)
+        entry = self._packed.get(id(head))
+        if entry is None or entry[0] is not weight or entry[1] != version:  # new, replaced or changed
+            copy: rows_kernel.PackedWeight | torch.Tensor | None = None
+            if version >= 0:
+                copy = kernel.pack(weight) if kernel is not None else pack_weight(weight)
+            entry = self._packed[id(head)] = (weight, version, copy)
+        packed = entry[2]
+        if isinstance(packed, rows_kernel.PackedWeight):
+            return kernel.product(flat, packed, head.bias) if kernel is not None else head(flat)
+        if packed is not None:
+            rows = flat.contiguous()
+            return torch.ops.mkl._mkl_linear(rows, packed, weight, head.bias, rows.shape[0])
         return head(flat)
 
     def _run(self, batch: list[_Rows]) -> None:
@@ -144,12 +161,13 @@ class HeadBatcher:
                 self._lock.notify_all()
 
 
+def _float32_cpu(weight: torch.Tensor) -> bool:
+    return weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2
+
+
 def packable(weight: torch.Tensor) -> bool:
     """Whether this torch can make MKL's packed copy of `weight` (a float32 CPU matrix, MKL present)."""
-    return (
-        weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2
-        and torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
-    )  # fmt: skip
+    return _float32_cpu(weight) and torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
 
 
 def _version(weight: torch.Tensor) -> int:
