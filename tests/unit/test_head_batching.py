@@ -139,7 +139,7 @@ def test_products_use_the_packed_weight_and_follow_its_changes() -> None:
             hidden = torch.randn(rows, 1, 64)
             torch.testing.assert_close(batcher(head, hidden), head(hidden), rtol=1e-5, atol=1e-5)
             if head_batching.packable(head.weight):  # where MKL packs, this product went through the packed copy
-                weight, _, packed = batcher._packed[id(head)]
+                weight, _, _, packed = batcher._packed[id(head)]
                 assert weight is head.weight and packed is not None
             head.weight.mul_(-2.0)  # changed in place: the packed copy is stale and must be remade
             torch.testing.assert_close(batcher(head, hidden), head(hidden), rtol=1e-5, atol=1e-5)

@@ -104,3 +104,16 @@ def test_without_the_kernel_the_head_runs_in_torch(fresh: Path, monkeypatch: pyt
         for rows in (1, 5):
             hidden = torch.randn(rows, 1, 64)
             torch.testing.assert_close(HeadBatcher()(head, hidden), head(hidden), rtol=1e-5, atol=1e-5)
+
+
+def test_a_head_batcher_follows_the_kernel_being_turned_off(kernel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel's copy serves only while the kernel does: turned off, the batcher makes MKL's copy (or none)."""
+    torch.manual_seed(3)
+    head, batcher = torch.nn.Linear(64, 300, bias=True), HeadBatcher()
+    hidden = torch.randn(3, 1, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(batcher(head, hidden), head(hidden), rtol=1e-5, atol=1e-5)
+        assert isinstance(batcher._packed[id(head)][3], rows_kernel.PackedWeight)
+        monkeypatch.setenv(rows_kernel.DISABLE_ENV, "1")
+        torch.testing.assert_close(batcher(head, hidden), head(hidden), rtol=1e-5, atol=1e-5)
+        assert not isinstance(batcher._packed[id(head)][3], rows_kernel.PackedWeight)

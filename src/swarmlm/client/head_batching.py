@@ -11,7 +11,7 @@ within GATHER_GAP_S of the last). A generation alone never waits.
 
 Products of up to 12 rows by a float32 head run in the rows kernel (client/rows_kernel.py) against a copy of the
 weight packed for it: it reads the weight once per 8 rows at about the speed memory streams, where MKL takes about
-2 and 3.5 times as long for 2 and 4 rows as for 1. Larger products run in torch. Where the kernel cannot be built
+2 and 3 times as long for 2 and 4 rows as for 1. Larger products run in torch. Where the kernel cannot be built
 (no C compiler), every product multiplies by a copy MKL has packed once for repeated products (its packed GEMM, as
 torch's own compiled CPU linears use): MKL's usual path repacks the weight on every call, which for a few rows
 costs about as much as the product itself. `python bench/head_batch.py` compares the three by rows. Either copy is
@@ -30,8 +30,11 @@ import torch
 import torch.nn.functional as F  # noqa: N812 - the usual name
 
 from swarmlm.client import rows_kernel
+from swarmlm.client.rows_kernel import float32_cpu_matrix
 
 logger = logging.getLogger(__name__)
+
+_Copy = rows_kernel.PackedWeight | torch.Tensor | None  # a packed copy of a head's weight: the kernel's, MKL's, none
 
 # a thread that used the head this recently counts as an active generation (one decode step apart is far less)
 ACTIVE_S = 0.5
@@ -63,9 +66,9 @@ class HeadBatcher:
         self.batches = 0  # products run (for statistics)
         self.rows = 0  # rows they carried
         self._last_call: dict[int, float] = {}  # thread ident -> when it last called (monotonic s)
-        # by id(head): the weight a packed copy was made of, its version then, and the copy (the kernel's, or MKL's;
-        # None: not packable)
-        self._packed: dict[int, tuple[torch.Tensor, int, rows_kernel.PackedWeight | torch.Tensor | None]] = {}
+        # by id(head): the weight a packed copy was made of, its version then, the kernel it was made for (None:
+        # MKL's copy), and the copy (None: not packable)
+        self._packed: dict[int, tuple[torch.Tensor, int, rows_kernel.RowsKernel | None, _Copy]] = {}
 
     def __call__(self, head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
         mine = _Rows(head, hidden)
@@ -112,28 +115,30 @@ class HeadBatcher:
             self._lock.wait()
 
     def _product(self, head: Callable[[torch.Tensor], torch.Tensor], flat: torch.Tensor) -> torch.Tensor:
-        """head(flat) for flat (rows, hidden), by a packed weight where that applies."""
-        if type(head) is not torch.nn.Linear or not _float32_cpu(head.weight) or flat.dtype != torch.float32:
+        """head(flat) for flat (rows, hidden), by a packed weight where that applies: the rows kernel's for up to
+        MAX_ROWS rows where it can be had, else MKL's."""
+        if type(head) is not torch.nn.Linear or not float32_cpu_matrix(head.weight) or flat.dtype != torch.float32:
             return head(flat)
         kernel = rows_kernel.kernel()
-        if kernel is None and not packable(head.weight):
-            return head(flat)
         if kernel is not None and flat.shape[0] > rows_kernel.MAX_ROWS:
             return head(flat)  # beyond the kernel's rows, torch's usual product (no second copy of the weight)
+        if kernel is None and not packable(head.weight):
+            return head(flat)
         weight, version = head.weight, _version(head.weight)
         entry = self._packed.get(id(head))
-        if entry is None or entry[0] is not weight or entry[1] != version:  # new, replaced or changed
-            copy: rows_kernel.PackedWeight | torch.Tensor | None = None
+        if entry is None or entry[0] is not weight or entry[1] != version or entry[2] is not kernel:
+            # new, replaced, changed in place, or made for the other kind of product
+            copy: _Copy = None
             if version >= 0:
                 copy = kernel.pack(weight) if kernel is not None else pack_weight(weight)
-            entry = self._packed[id(head)] = (weight, version, copy)
-        packed = entry[2]
-        if isinstance(packed, rows_kernel.PackedWeight):
-            return kernel.product(flat, packed, head.bias) if kernel is not None else head(flat)
-        if packed is not None:
-            rows = flat.contiguous()
-            return torch.ops.mkl._mkl_linear(rows, packed, weight, head.bias, rows.shape[0])
-        return head(flat)
+            entry = self._packed[id(head)] = (weight, version, kernel, copy)
+        packed = entry[3]
+        if packed is None:
+            return head(flat)
+        if kernel is not None and isinstance(packed, rows_kernel.PackedWeight):  # made for this kernel (entry[2])
+            return kernel.product(flat, packed, head.bias)
+        rows = flat.contiguous()
+        return torch.ops.mkl._mkl_linear(rows, packed, weight, head.bias, rows.shape[0])
 
     def _run(self, batch: list[_Rows]) -> None:
         try:
@@ -161,13 +166,9 @@ class HeadBatcher:
                 self._lock.notify_all()
 
 
-def _float32_cpu(weight: torch.Tensor) -> bool:
-    return weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2
-
-
 def packable(weight: torch.Tensor) -> bool:
     """Whether this torch can make MKL's packed copy of `weight` (a float32 CPU matrix, MKL present)."""
-    return _float32_cpu(weight) and torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+    return float32_cpu_matrix(weight) and torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
 
 
 def _version(weight: torch.Tensor) -> int:

@@ -3,7 +3,7 @@ for the decode steps of concurrent generations (client/head_batching.py).
 
 A decode step's head product is bound by reading the weight (113 MB for SmolLM2), and rows of concurrent steps
 stacked into one product read it once. MKL, torch's CPU BLAS, does not pay that off for a few rows: 2 or 4 rows take
-about 2 or 3.5 times as long as 1 (`python bench/head_batch.py`). rows_kernel.c reads a copy of the weight packed
+about 2 or 3 times as long as 1 (`python bench/head_batch.py`). rows_kernel.c reads a copy of the weight packed
 for it front to back once for up to 8 rows (4 without AVX-512), so that 2 rows cost about what 1 costs, and 4 rows
 about 1.4 times as much.
 
@@ -71,7 +71,7 @@ class RowsKernel:
 
     def pack(self, weight: torch.Tensor) -> PackedWeight:
         """The kernel's copy of a float32 CPU weight (out, in): as large as the weight, plus padding."""
-        if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
+        if not float32_cpu_matrix(weight):
             raise ValueError("the kernel packs float32 CPU matrices only")
         out_features, in_features = weight.shape
         padded_in = -(-in_features // self.lanes) * self.lanes
@@ -103,6 +103,11 @@ class RowsKernel:
         if bias is not None:
             out += bias
         return out
+
+
+def float32_cpu_matrix(weight: torch.Tensor) -> bool:
+    """Whether `weight` is a float32 CPU matrix (what the kernel, and MKL's packing, multiply by)."""
+    return weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2
 
 
 def kernel() -> RowsKernel | None:
