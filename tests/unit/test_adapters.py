@@ -48,6 +48,18 @@ def through(made: list[SpanModel], hidden: torch.Tensor, adapter: str | None) ->
     return hidden
 
 
+def test_a_fresh_span_with_adapters_computes_the_base_model_first(setup) -> None:
+    # PEFT injects adapters enabled; before any request named one, a request naming none once ran with the last
+    model_dir, everywhere, some = setup
+    made = spans(model_dir, [everywhere, some])
+    ids = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(7))
+    reference = load_reference(model_dir)
+    with torch.inference_mode():
+        embeds, base = reference.model.embed_tokens(ids), reference.model(ids).last_hidden_state
+        hidden = reference.model.norm(through(made, embeds, None))
+    assert (hidden - base).abs().max().item() <= ATOL
+
+
 def test_spans_with_an_adapter_equal_the_local_peft_model(setup) -> None:
     model_dir, everywhere, some = setup
     made = spans(model_dir, [everywhere, some])

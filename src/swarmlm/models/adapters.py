@@ -50,7 +50,9 @@ def load_adapters(span: SpanModel, paths: Sequence[str | Path]) -> tuple[str, ..
         _add_adapter(span, Path(path).expanduser(), name)
     span.adapters = (*span.adapters, *names)
     span.eval().requires_grad_(False)  # injected modules start in training mode (dropout) and trainable
-    select_adapter(span, None)
+    # PEFT injects an adapter enabled and active, while the span still reads "no adapter": applied unconditionally,
+    # or the first requests naming no adapter would run with the last one loaded
+    _apply_adapter(span, None)
     return tuple(names)
 
 
@@ -60,6 +62,11 @@ def select_adapter(span: SpanModel, name: str | None) -> None:
         return
     if name is not None and name not in span.adapters:
         raise ValueError(f"adapter {name!r} is not loaded here (loaded: {list(span.adapters)})")
+    _apply_adapter(span, name)
+
+
+def _apply_adapter(span: SpanModel, name: str | None) -> None:
+    """Set every LoRA layer of the span to apply `name` (None: none), whatever the span believes it applies now."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     for module in span.modules():
