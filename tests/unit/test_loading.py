@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import multiprocessing
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -20,12 +21,15 @@ from swarmlm.errors import ModelLoadError
 from swarmlm.models import loading
 from swarmlm.models.loading import (
     DEFAULT_MODEL,
+    SOURCE_FILE,
+    converted_from,
     default_cache_dir,
     load_config,
     load_tensors,
     load_tokenizer,
     resolve_model,
 )
+from swarmlm.models.naming import model_name
 
 LAYER_TENSORS = {
     "input_layernorm.weight",
@@ -249,7 +253,7 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, 
     """The bundled model converted once into a fresh cache: (folder, cache dir, log messages of the conversion)."""
     cache = tmp_path_factory.mktemp("cache")
     # a temporary folder left by a conversion that died must be cleaned up by the next one
-    stale = cache / f".{loading._cache_name(_bundled_gguf())}.tmp-dead"
+    stale = cache / f".{loading._cache_name(_bundled_gguf(), _bundled_gguf().name)}.tmp-dead"
     stale.mkdir()
     (stale / "half-written").write_bytes(b"x")
     handler = _ListHandler()
@@ -319,6 +323,89 @@ def test_reading_one_layer_does_not_read_the_model(converted: tuple[Path, Path, 
     model_bytes = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
     assert count == 9
     assert growth < layer_bytes + 50 * 2**20 < model_bytes / 4, (growth, layer_bytes, model_bytes)
+
+
+def test_a_copy_of_the_gguf_elsewhere_reuses_the_conversion(
+    converted: tuple[Path, Path, list[str]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another venv's bundled model or a downloaded copy: the same content in another folder, converted once."""
+    folder, cache, _ = converted
+    copy = tmp_path / "other-venv" / _bundled_gguf().name
+    copy.parent.mkdir()
+    shutil.copyfile(_bundled_gguf(), copy)
+
+    def no_conversion(*args: Any) -> None:
+        raise AssertionError("converted again")
+
+    monkeypatch.setattr(loading, "_convert_gguf", no_conversion)
+    assert resolve_model(copy, cache_dir=cache) == folder
+    assert converted_from(folder) == _bundled_gguf().name
+    assert model_name(folder) == model_name(copy) == model_name(DEFAULT_MODEL)
+
+
+# ------------------------------------------------------------------------------ the cache, keyed by the file's content
+
+
+def _counting_conversion(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """Replaces the 30 s dequantization by writing what the cache checks; returns the files it was called for."""
+    calls: list[Path] = []
+
+    def convert(gguf: Path, out_dir: Path) -> None:
+        calls.append(gguf)
+        (out_dir / "config.json").write_text("{}")
+        (out_dir / "model.safetensors").write_bytes(gguf.read_bytes()[:64])
+
+    monkeypatch.setattr(loading, "_convert_gguf", convert)
+    return calls
+
+
+def _write(path: Path, data: bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return path
+
+
+def test_the_cache_is_keyed_by_content_not_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _counting_conversion(monkeypatch)
+    cache = tmp_path / "cache"
+    # larger than the hashed header, so that the samples of the rest count too
+    data = torch.randint(0, 256, (9 * 2**20,), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    first = _write(tmp_path / "a" / "Tiny.Q8_0.gguf", data.numpy().tobytes())
+    folder = resolve_model(first, cache_dir=cache)
+    copy = _write(tmp_path / "b" / "c" / "Tiny.Q8_0.gguf", first.read_bytes())
+    assert resolve_model(copy, cache_dir=cache) == folder and len(calls) == 1
+    assert (folder / SOURCE_FILE).is_file() and converted_from(folder) == "Tiny.Q8_0.gguf"
+
+    # a file replaced in place with other weights (here its last byte) is another model
+    changed = bytearray(first.read_bytes())
+    changed[-1] ^= 0xFF
+    first.write_bytes(bytes(changed))
+    replaced = resolve_model(first, cache_dir=cache)
+    assert replaced != folder and len(calls) == 2
+    # the same bytes under another name are another identity (another swarm name): a folder of their own
+    other = resolve_model(_write(tmp_path / "Other.gguf", copy.read_bytes()), cache_dir=cache)
+    assert other != folder and len(calls) == 3 and converted_from(other) == "Other.gguf"
+    # each folder was made once, and nothing half-written is left
+    assert resolve_model(first, cache_dir=cache) == replaced and len(calls) == 3
+    assert sorted(p for p in cache.iterdir() if p.is_dir()) == sorted([folder, replaced, other])
+
+
+def test_a_folder_converted_by_an_older_version_is_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Older versions named the folder by the file's path and mtime and recorded no source: it is taken over, by hard
+    links (no second copy of the weights), and left in place for processes of that version."""
+    calls = _counting_conversion(monkeypatch)
+    cache = tmp_path / "cache"
+    gguf = _write(tmp_path / "models" / "Tiny-1.5B.Q4_K_M.gguf", b"GGUF" + bytes(range(256)) * 100)
+    old = cache / loading._unrecorded_cache_name(gguf.resolve())
+    _write(old / "model.safetensors", b"weights")
+    (old / "config.json").write_text("{}")
+    assert model_name(old) == model_name(gguf)  # named alike even before it is taken over
+
+    folder = resolve_model(gguf, cache_dir=cache)
+    assert calls == [] and folder != old
+    assert (folder / "model.safetensors").stat().st_ino == (old / "model.safetensors").stat().st_ino
+    assert converted_from(folder) == gguf.name and converted_from(old) is None
+    assert model_name(folder).display == "Tiny-1.5B"
 
 
 # ---------------------------------------------------------------------------------- concurrent conversion, 2 processes

@@ -38,6 +38,17 @@ _KNOWN_MODELS: dict[str, tuple[str, str, str]] = {
 
 _CONFIG_FILE = "config.json"
 _SAFETENSORS_INDEX = "model.safetensors.index.json"
+# written into every converted folder: the name of the GGUF file it was converted from (the model's identity, see
+# models/naming.py) and the file's content key
+SOURCE_FILE = "swarmlm-source.json"
+# a GGUF file's content key hashes its size, its first bytes (the header: metadata and tensor table, a few MB with a
+# large vocabulary) and evenly spaced samples of the rest, the last bytes included: cheap on a multi-GB file, while
+# any retraining or requantization changes bytes everywhere
+_KEY_HEAD_BYTES = 8 * 2**20
+_KEY_SAMPLES = 64
+_KEY_SAMPLE_BYTES = 64 * 2**10
+# hex digits of the content key in a converted folder's name: 64 bits, collision-free for the models of one cache
+_KEY_HEX_DIGITS = 16
 # A conversion that takes longer than this is hung, not slow (it takes well under a minute).
 _LOCK_TIMEOUT_S = 1800.0
 
@@ -52,8 +63,9 @@ def resolve_model(model: str | os.PathLike, cache_dir: str | os.PathLike | None 
 
     `model` is one of:
     - a known name (case-insensitive), e.g. "smollm2-135m-instruct": the GGUF file bundled in an installed package;
-    - a path to a .gguf file: converted once into a folder under `cache_dir` (default: default_cache_dir()); later
-      calls return that folder without loading the model;
+    - a path to a .gguf file: converted once into a folder under `cache_dir` (default: default_cache_dir()) named by
+      the file's name and content, so that copies of the file (another venv, another folder) share it; later calls
+      return that folder without loading the model;
     - a local Hugging Face folder with config.json and *.safetensors weights: returned as is.
 
     A plain string that equals a known name means that name even if a folder of that name exists in the current
@@ -64,6 +76,8 @@ def resolve_model(model: str | os.PathLike, cache_dir: str | os.PathLike | None 
     path = _bundled_gguf(str(model).lower()) if known is not None else Path(model).expanduser()
     if not path.exists():
         raise ModelLoadError(_missing_path_message(str(model)))
+    # the name given, not the link's target: a hub download links model.Q4_K_M.gguf to a blob named by its hash
+    source_name = path.name
     path = path.resolve()
     if path.is_dir():
         _check_hf_folder(path)
@@ -74,7 +88,31 @@ def resolve_model(model: str | os.PathLike, cache_dir: str | os.PathLike | None 
             f"and *.safetensors weights, or one of the names {sorted(_KNOWN_MODELS)}."
         )
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    return _converted_gguf(path, cache.resolve())
+    return _converted_gguf(path, cache.resolve(), source_name)
+
+
+def known_gguf_name(name: str) -> str | None:
+    """The file name of the GGUF file behind a known model name (case-insensitive); None for other names."""
+    known = _KNOWN_MODELS.get(name.lower())
+    return None if known is None else known[1]
+
+
+def converted_from(folder: Path) -> str | None:
+    """The name of the GGUF file `folder` was converted from, as its conversion recorded it; None if it has no
+    readable record (a folder converted by an older version, or no converted folder at all)."""
+    record = folder / SOURCE_FILE
+    if not record.is_file():
+        return None
+    try:
+        source = json.loads(record.read_text())["gguf"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        logger.warning("Ignoring the unreadable %s: %s", record, e)
+        return None
+    # a plain file name, as written by _write_source; anything else was not written by this module
+    if not isinstance(source, str) or not source or Path(source).name != source or "\\" in source:
+        logger.warning("Ignoring %s: its source %r is no file name", record, source)
+        return None
+    return source
 
 
 def load_config(model_dir: Path) -> transformers.PretrainedConfig:
@@ -217,9 +255,10 @@ def _files_to_read(model_dir: Path, wanted: tuple[str, ...]) -> dict[Path, list[
     return dict(by_file)
 
 
-def _converted_gguf(gguf: Path, cache_dir: Path) -> Path:
-    """The folder converted from `gguf` under `cache_dir`; converts it first if no process has done so yet."""
-    target = cache_dir / _cache_name(gguf)
+def _converted_gguf(gguf: Path, cache_dir: Path, source_name: str) -> Path:
+    """The folder converted from `gguf` (named `source_name`) under `cache_dir`; converts it first if no process has
+    done so yet."""
+    target = cache_dir / _cache_name(gguf, source_name)
     if target.is_dir():
         return _checked_conversion(target)
     try:
@@ -231,7 +270,7 @@ def _converted_gguf(gguf: Path, cache_dir: Path) -> Path:
         try:
             lock.acquire(timeout=0)
         except filelock.Timeout:
-            logger.info("Waiting for another process converting %s ...", gguf.name)
+            logger.info("Waiting for another process converting %s ...", source_name)
             lock.acquire(timeout=_LOCK_TIMEOUT_S)
     except filelock.Timeout as e:
         raise ModelLoadError(
@@ -243,18 +282,42 @@ def _converted_gguf(gguf: Path, cache_dir: Path) -> Path:
         if target.is_dir():
             return _checked_conversion(target)
         _remove_stale_temp_folders(cache_dir, target.name)
-        _convert_atomically(gguf, target)
+        _convert_atomically(gguf, target, source_name)
         return target
     finally:
         lock.release()
 
 
-def _cache_name(gguf: Path) -> str:
-    """A folder name unique to this file: its stem plus a hash of its absolute path, size and mtime.
+def _cache_name(gguf: Path, source_name: str) -> str:
+    """A folder name unique to this file's name and content: '<stem>-<content key>'.
 
-    Hashing the metadata rather than the content keeps every call cheap; a file replaced in place gets a new
-    mtime, hence a new folder.
+    The content, not the path, keys the folder: a copy of the file elsewhere (another venv's bundled model, a
+    downloaded copy) reuses the conversion, and a file replaced in place gets a new folder. The name is part of the
+    key because the folder records it as the model's identity (its swarm name, models/naming.py).
     """
+    return f"{Path(source_name).stem}-{content_key(gguf)}"
+
+
+def content_key(gguf: Path) -> str:
+    """A hash of the file's size, its first _KEY_HEAD_BYTES and _KEY_SAMPLES evenly spaced samples of the rest
+    (reads at most ~12 MB of any file)."""
+    try:
+        size = gguf.stat().st_size
+        digest = hashlib.sha256(f"{size}\0".encode())
+        with open(gguf, "rb") as f:
+            digest.update(f.read(_KEY_HEAD_BYTES))
+            rest = max(0, size - _KEY_HEAD_BYTES - _KEY_SAMPLE_BYTES)
+            for i in range(_KEY_SAMPLES + 1) if size > _KEY_HEAD_BYTES else ():
+                # the last sample (i == _KEY_SAMPLES) ends at the end of the file
+                f.seek(_KEY_HEAD_BYTES + rest * i // _KEY_SAMPLES)
+                digest.update(f.read(_KEY_SAMPLE_BYTES))
+    except OSError as e:
+        raise ModelLoadError(f"Cannot read {gguf}: {e}") from e
+    return digest.hexdigest()[:_KEY_HEX_DIGITS]
+
+
+def _unrecorded_cache_name(gguf: Path) -> str:
+    """The folder name older versions converted `gguf` into: its stem plus a hash of its path, size and mtime."""
     stat = gguf.stat()
     key = f"{gguf.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()
     return f"{gguf.stem}-{hashlib.sha256(key).hexdigest()[:16]}"
@@ -281,12 +344,14 @@ def _remove_stale_temp_folders(cache_dir: Path, target_name: str) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
-def _convert_atomically(gguf: Path, target: Path) -> None:
+def _convert_atomically(gguf: Path, target: Path, source_name: str) -> None:
     """Converts `gguf` into a temporary folder next to `target`, then renames it to `target` once complete."""
     temp = Path(tempfile.mkdtemp(prefix=_temp_prefix(target.name), dir=target.parent))
     done = False
     try:
-        _convert_gguf(gguf, temp)
+        if not _reuse_unrecorded(gguf, temp):
+            _convert_gguf(gguf, temp)
+        _write_source(temp, source_name)
         # rename is atomic within one file system: other processes see no folder or a complete one
         os.replace(temp, target)
         done = True
@@ -294,6 +359,36 @@ def _convert_atomically(gguf: Path, target: Path) -> None:
     finally:
         if not done:
             shutil.rmtree(temp, ignore_errors=True)
+
+
+def _reuse_unrecorded(gguf: Path, out_dir: Path) -> bool:
+    """Fills `out_dir` with the files of the folder an older version converted this very file into, if there is one.
+
+    Files are hard-linked (copied where links fail): no second conversion, no second copy of the weights, and the
+    old folder stays as it is for any process of that version still using it.
+    """
+    old = out_dir.parent / _unrecorded_cache_name(gguf)
+    if not (old / _CONFIG_FILE).is_file():
+        return False
+    try:
+        for file in old.iterdir():
+            if file.is_file():
+                try:
+                    os.link(file, out_dir / file.name)
+                except OSError:
+                    shutil.copy2(file, out_dir / file.name)
+    except OSError as e:
+        raise ModelLoadError(f"Cannot reuse the conversion in {old}: {e}") from e
+    logger.info("Reusing %s, converted from %s by an older version", old, gguf.name)
+    return True
+
+
+def _write_source(out_dir: Path, source_name: str) -> None:
+    """Records the name of the GGUF file `out_dir` is converted from (read back by converted_from)."""
+    try:
+        (out_dir / SOURCE_FILE).write_text(json.dumps({"gguf": source_name}) + "\n")
+    except OSError as e:
+        raise ModelLoadError(f"Cannot write {out_dir / SOURCE_FILE}: {e}") from e
 
 
 def _convert_gguf(gguf: Path, out_dir: Path) -> None:
