@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import sys
 import time
 from typing import Any
@@ -12,6 +13,7 @@ from transformers import TextStreamer
 from swarmlm.client.model import AutoDistributedModelForCausalLM, DistributedCausalLMMixin
 from swarmlm.local_swarm import start_even_swarm
 from swarmlm.models.loading import load_config, load_tokenizer, resolve_model
+from swarmlm.models.naming import model_name
 
 # the longest conversation the interactive chat keeps in one inference session
 CHAT_MAX_TOKENS = 2048
@@ -24,10 +26,12 @@ def run_demo(
     model_dir = resolve_model(model)  # convert once here, before servers start, rather than in every server
     print(f"Starting {num_servers} local servers for {model} ...", flush=True)
     began = time.perf_counter()
+    # the servers get the converted folder, which names the same swarm as `model` (models/naming.py)
     with start_even_swarm(str(model_dir), load_config(model_dir).num_hidden_layers, num_servers) as swarm:
-        print(f"Swarm ready in {time.perf_counter() - began:.1f} s", flush=True)
+        print(f"Swarm ready in {time.perf_counter() - began:.1f} s: {' '.join(swarm.initial_peers)}", flush=True)
+        print(attach_lines(model, swarm.initial_peers), flush=True)
         if api_port is not None:
-            _serve_api(str(model_dir), model, swarm.initial_peers, api_port)
+            _serve_api(model, swarm.initial_peers, api_port)
             print("Swarm stopped.")
             return
         with AutoDistributedModelForCausalLM.from_pretrained(
@@ -41,17 +45,23 @@ def run_demo(
     print("Swarm stopped.")
 
 
-def _serve_api(model_dir: str, name: str, initial_peers: list[str], port: int) -> None:
+def attach_lines(model: str, initial_peers: list[str]) -> str:
+    """How another process of this machine joins the demo's swarm while it runs: the API, or a Python client."""
+    shell = f"swarmlm api {shlex.quote(model)} --initial-peers {' '.join(map(shlex.quote, initial_peers))}"
+    python = f"AutoDistributedModelForCausalLM.from_pretrained({model!r}, initial_peers={initial_peers!r})"
+    return f"Attach to this swarm from another terminal while it runs:\n  {shell}\n  {python}"
+
+
+def _serve_api(model: str, initial_peers: list[str], port: int) -> None:
     """The OpenAI-compatible API (and monitor) over the local swarm, in this process, until Ctrl-C."""
     from swarmlm.api.service import ApiOptions, run_api
 
     base = f"http://127.0.0.1:{port}"
     question = '"messages": [{"role": "user", "content": "What is the capital of France?"}]'
-    body = f'{{"model": "{name}", {question}, "max_tokens": 64, "temperature": 0}}'
+    body = f'{{"model": "{model_name(model).display}", {question}, "max_tokens": 64, "temperature": 0}}'
     curl = f"curl {base}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'"
     print(f"Monitor: {base}/   (Ctrl-C stops the API and the swarm)\nTry:\n  {curl}", flush=True)
-    run_api(ApiOptions(model=model_dir, initial_peers=tuple(initial_peers), port=port,
-                       served_name=name))  # fmt: skip
+    run_api(ApiOptions(model=model, initial_peers=tuple(initial_peers), port=port))
 
 
 # tokenizers are typed Any: the methods of transformers' tokenizers return unions that depend on their flags

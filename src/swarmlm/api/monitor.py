@@ -19,6 +19,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
 from swarmlm.client.sequence_manager import dial
+from swarmlm.models.naming import name_from_identity
 from swarmlm.protocol import service
 from swarmlm.protocol.codec import encode, read_message
 from swarmlm.protocol.messages import InfoRequest, ServerInfo
@@ -67,7 +68,9 @@ class Monitor:
             catalog = await fetch_catalog(self.dht)
         models: dict[str, tuple[str, int]] = {}  # dht prefix -> (model name, blocks)
         for entry in catalog.values():
-            name, blocks = models.get(entry.dht_prefix, (entry.model, 0))
+            # servers name their model by its display name; older ones sent what they were given, maybe a path
+            shown = name_from_identity(entry.model).display
+            name, blocks = models.get(entry.dht_prefix, (shown, 0))
             models[entry.dht_prefix] = (name, max(blocks, entry.num_blocks))
         described = []
         for prefix, (name, num_blocks) in sorted(models.items()):

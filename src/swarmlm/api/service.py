@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -19,6 +17,7 @@ from swarmlm.api.engine import Engine
 from swarmlm.api.monitor import Monitor, format_status, short_id
 from swarmlm.client.model import AutoDistributedModelForCausalLM, DistributedCausalLMMixin
 from swarmlm.models.loading import load_config, load_tokenizer, resolve_model
+from swarmlm.models.naming import model_name
 from swarmlm.swarm.dht import is_loopback_maddr, start_dht
 
 logger = logging.getLogger(__name__)
@@ -33,8 +32,8 @@ class ApiOptions:
     initial_peers: tuple[str, ...]  # multiaddrs of swarm peers
     host: str = "127.0.0.1"  # interface the HTTP server listens on
     port: int = 8000  # HTTP port (0: any free port)
-    served_name: str | None = None  # the model's name in the API (default: the model argument's file name)
-    dht_prefix: str | None = None  # swarm name (default: derived from the model)
+    served_name: str | None = None  # the model's name in the API (default: its display name, models/naming.py)
+    dht_prefix: str | None = None  # swarm name (default: the model's swarm name, as its servers derive it)
     # requests generating at once; more wait for their turn. Servers hold 16 sessions per peer by default
     # (--max-sessions-per-peer), and this server is one peer to them
     max_concurrent: int = 16
@@ -42,9 +41,10 @@ class ApiOptions:
 
 
 def served_names(model: str, served_name: str | None) -> tuple[str, ...]:
-    """The names clients may ask for: the chosen name first, then the model argument itself."""
-    default = Path(model).name.removesuffix(".gguf") if os.sep in model or model.endswith(".gguf") else model
-    return tuple(dict.fromkeys([served_name or default, model]))
+    """The names clients may ask for: the one /v1/models lists first (the chosen name, else the model's display
+    name: never a path), then the display and swarm names and the model argument as typed."""
+    name = model_name(model)
+    return tuple(dict.fromkeys([served_name or name.display, name.display, name.swarm, model]))
 
 
 def client_info(model: DistributedCausalLMMixin, engine: Engine) -> dict[str, Any]:
@@ -75,10 +75,11 @@ def run_api(options: ApiOptions) -> None:
     """Serve the API until SIGINT/SIGTERM."""
     model_dir = resolve_model(options.model)
     names = served_names(options.model, options.served_name)
-    extra = {"dht_prefix": options.dht_prefix} if options.dht_prefix else {}
+    # the swarm is named after the model as given, like its servers do (the folder it resolves to is named alike)
+    dht_prefix = options.dht_prefix or model_name(options.model).swarm
     with AutoDistributedModelForCausalLM.from_pretrained(
         str(model_dir), initial_peers=list(options.initial_peers),
-        missing_blocks_timeout_s=options.missing_blocks_timeout_s, **extra,
+        missing_blocks_timeout_s=options.missing_blocks_timeout_s, dht_prefix=dht_prefix,
     ) as model:  # fmt: skip
         config = load_config(model_dir)
         engine = Engine(model, load_tokenizer(model_dir), config.max_position_embeddings, options.max_concurrent)

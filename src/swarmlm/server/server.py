@@ -20,7 +20,7 @@ from swarmlm.errors import SwarmError
 from swarmlm.models.adapters import adapter_name, load_adapters
 from swarmlm.models.fingerprint import model_fingerprint
 from swarmlm.models.loading import load_config, resolve_model
-from swarmlm.models.naming import default_dht_prefix
+from swarmlm.models.naming import model_name
 from swarmlm.models.quant import QUANT_MODES, bnb_functional, module_bytes, quantize
 from swarmlm.models.span import SpanModel
 from swarmlm.protocol import service
@@ -63,7 +63,9 @@ class Server:
         check_relay_maddrs(config.relays)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.dht_prefix = config.dht_prefix or default_dht_prefix(config.model)
+        # the catalog shows the model by name, never by where it lies on this machine
+        self.model_name = model_name(config.model)
+        self.dht_prefix = config.dht_prefix or self.model_name.swarm
         if config.swarm_key is not None:  # a private swarm's records live under a name only members can compute
             self.dht_prefix = blind_prefix(self.dht_prefix, config.swarm_key)
         self.model_dir = resolve_model(config.model, cache_dir=config.cache_dir)
@@ -170,7 +172,7 @@ class Server:
                            state, self.config.announce_interval_s)
         if self.config.swarm_key is not None:
             return record  # a private swarm lists no model in the open catalog (its records are sealed)
-        entry = CatalogEntry(dht_prefix=self.dht_prefix, model=self.config.model,
+        entry = CatalogEntry(dht_prefix=self.dht_prefix, model=self.model_name.display,
                              num_blocks=self.num_blocks_total, announced_at=get_dht_time())  # fmt: skip
         if not await announce_entry(self.dht, self.peer_id, entry, self.config.record_ttl_s):
             logger.warning("Storing the catalog entry failed; next try in %.0f s", self.config.announce_interval_s)
