@@ -74,3 +74,4 @@ class ClientConfig:
     wire_dtype: str = "float32"  # activations travel as float32 (exact), bfloat16/float16 (half) or int8 (a quarter)
     ping_timeout_s: float = 2.0  # servers not yet called get one timed rpc_info before routing; longer = this far
     explore_interval_s: float = 30.0  # at most one route per this many s tries a server never measured (0: never)
+    routing: str = "auto"  # "latency" | "throughput" | "auto": latency for inference sessions, throughput otherwise

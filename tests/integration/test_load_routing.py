@@ -17,6 +17,9 @@ from tests.conftest import LOGITS_ATOL, connected_model, load_reference, running
 FIRST_PICKS_SECOND, FIRST_PICKS_FIRST = 0, 1
 # spot checks off: a check would call the replica a client does not route through (the test counts those)
 CHECKS_OFF = dict(verify_probability=0.0, verify_first_requests=0)
+# routed for latency: the replicas then tie on their round trips; for throughput (a forward's default) they would
+# differ by their start-up measurements of speed, taken on shared cores, by more than the tie tolerance
+LATENCY = dict(routing="latency")
 
 
 def _forwards_served(server: LocalServer, timeout_s: float = 5.0, at_least: int = 1) -> int:
@@ -37,8 +40,8 @@ def test_two_clients_spread_over_replicas_and_each_keeps_its_own(tiny_model_dir:
     with (
         running_swarm(tiny_model_dir, [(0, 2), (2, 5), (2, 5)]) as swarm,
         # no exploration: a client trying the other replica would break the stickiness measured here
-        connected_model(tiny_model_dir, swarm, explore_interval_s=0, **CHECKS_OFF) as first,
-        connected_model(tiny_model_dir, swarm, explore_interval_s=0, **CHECKS_OFF) as second,
+        connected_model(tiny_model_dir, swarm, explore_interval_s=0, **CHECKS_OFF, **LATENCY) as first,
+        connected_model(tiny_model_dir, swarm, explore_interval_s=0, **CHECKS_OFF, **LATENCY) as second,
     ):
         managers = [model.model.layers.client.manager for model in (first, second)]
         for manager, seed in zip(managers, (FIRST_PICKS_FIRST, FIRST_PICKS_SECOND), strict=True):

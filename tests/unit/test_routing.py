@@ -2,16 +2,19 @@
 
 import math
 import random
+from collections.abc import Callable
 
 import pytest
 
 from swarmlm.swarm.routing import (
     DEFAULT_HOP_COST_S,
     DEFAULT_LATENCY_S,
+    THROUGHPUT_HOP_SHARE,
     RouteSpan,
     ServerView,
     find_route,
     missing_blocks,
+    policy_for,
 )
 
 
@@ -233,3 +236,128 @@ def test_announced_throughputs_are_bounded_by_the_median() -> None:
     assert bounded_priors([1000.0, 1e12]) == [1000.0, MAX_PRIOR_FACTOR * 1000.0]
     assert bounded_priors([]) == []
     assert bounded_priors([float("nan"), 5.0])[1] == 5.0
+
+
+# Routing policies: latency for inference sessions, throughput for batch work.
+
+
+def _brute_force(
+    servers: list[ServerView], start: int, end: int, banned: set[str], tokens: int, hop: Callable[[ServerView], float]
+) -> float:
+    """Cheapest route cost by brute force when a hop on s costs hop(s) plus its blocks' compute of `tokens` tokens."""
+    best = [math.inf] * (end + 1)
+    best[start] = 0.0
+    for i in range(start, end):
+        for s in servers:
+            if s.peer_id in banned or not s.start <= i < s.end or math.isinf(best[i]):
+                continue
+            for j in range(i + 1, min(s.end, end) + 1):
+                best[j] = min(best[j], best[i] + hop(s) + (j - i) * tokens / s.throughput)
+    return best[end]
+
+
+def _throughput_hop(
+    servers: list[ServerView], start: int, end: int, banned: set[str], tokens: int
+) -> Callable[[ServerView], float]:
+    """The hop cost of the throughput policy for requests costed as `tokens` tokens: overhead, round trip, traffic."""
+    traffic = THROUGHPUT_HOP_SHARE * _brute_force(servers, start, end, banned, tokens, lambda s: 0.0)
+    return lambda s: _hop_cost(s, 0, tokens) + traffic
+
+
+def test_auto_routing_is_latency_for_inference_and_throughput_for_batch_work() -> None:
+    assert policy_for("auto", inference=True) == "latency"
+    assert policy_for("auto", inference=False) == "throughput"
+    for policy in ("latency", "throughput"):
+        assert policy_for(policy, inference=True) == policy_for(policy, inference=False) == policy
+    with pytest.raises(ValueError, match="routing must be one of"):
+        policy_for("fastest", inference=False)
+
+
+def test_fast_far_server_wins_throughput_and_near_slow_halves_win_latency() -> None:
+    servers = [
+        _sv("far", 0, 10, throughput=4000.0, latency_s=0.2),
+        _sv("near1", 0, 5, throughput=1000.0, latency_s=0.005),
+        _sv("near2", 5, 10, throughput=1000.0, latency_s=0.005),
+    ]
+    halves = [RouteSpan("near1", 0, 5), RouteSpan("near2", 5, 10)]
+    assert find_route(servers, 0, 10, policy="latency") == halves
+    assert find_route(servers, 0, 10, policy="throughput") == [RouteSpan("far", 0, 10)]
+
+
+def test_slow_whole_server_wins_latency_and_fast_halves_win_throughput() -> None:
+    # all equally near: for one token a hop costs more than the compute the fast halves save
+    servers = [
+        _sv("slow", 0, 10, throughput=4000.0, latency_s=0.01),
+        _sv("fast1", 0, 5, throughput=16000.0, latency_s=0.01),
+        _sv("fast2", 5, 10, throughput=16000.0, latency_s=0.01),
+    ]
+    halves = [RouteSpan("fast1", 0, 5), RouteSpan("fast2", 5, 10)]
+    assert find_route(servers, 0, 10, tokens=1, policy="latency") == [RouteSpan("slow", 0, 10)]
+    assert find_route(servers, 0, 10, tokens=4096, policy="latency") == halves  # large enough, latency agrees
+    # throughput costs every request as a full one: small requests take the same route as large ones
+    for tokens in (0, 1, 4096):
+        assert find_route(servers, 0, 10, tokens=tokens, policy="throughput") == halves
+    # ... full for this client: one whose requests are one token long routes them like latency (plus traffic)
+    assert find_route(servers, 0, 10, policy="throughput", full_tokens=1) == [RouteSpan("slow", 0, 10)]
+
+
+def test_throughput_takes_an_extra_hop_only_for_more_than_its_share() -> None:
+    # compute c (whole) against c / r (halves), each hop also a share of the least compute, c / r:
+    # the halves win iff c - c / r > share * c / r (plus 5 ms), about iff r > 1 + share
+    for ratio, first in ((1 + THROUGHPUT_HOP_SHARE / 2, "whole"), (1 + THROUGHPUT_HOP_SHARE * 2, "half1")):
+        servers = [
+            _sv("whole", 0, 10, throughput=1000.0, latency_s=0.0),
+            _sv("half1", 0, 5, throughput=1000.0 * ratio, latency_s=0.0),
+            _sv("half2", 5, 10, throughput=1000.0 * ratio, latency_s=0.0),
+        ]
+        route = find_route(servers, 0, 10, policy="throughput")
+        assert route is not None and route[0].peer_id == first, (ratio, route)
+
+
+def test_throughput_draws_among_replicas_without_cutting_them() -> None:
+    # a route through both replicas costs a hop more, which its traffic puts beyond the tie tolerance
+    servers = [_sv("a", 0, 30, throughput=1000.0), _sv("b", 0, 30, throughput=1000.0)]
+    routes = [
+        find_route(servers, 0, 30, rng=random.Random(seed), tie_tolerance=0.05, policy="throughput")
+        for seed in range(64)
+    ]
+    assert {tuple(route or ()) for route in routes} == {(RouteSpan("a", 0, 30),), (RouteSpan("b", 0, 30),)}
+
+
+def test_throughput_prefers_the_nearer_of_like_servers_and_weighs_load() -> None:
+    near_far = [_sv("far", 0, 10, throughput=1e5, latency_s=0.2), _sv("near", 0, 10, throughput=1e5, latency_s=0.01)]
+    for seed in range(16):
+        route = find_route(near_far, 0, 10, rng=random.Random(seed), tie_tolerance=0.05, policy="throughput")
+        assert route == [RouteSpan("near", 0, 10)]
+    # a busy server's throughput is shared: twice the speed at full load is no better than an idle server
+    busy = ServerView("busy", 0, 10, throughput=3000.0, latency_s=0.01, load=1.0)
+    assert find_route([busy, _sv("idle", 0, 10, 2000.0, 0.01)], 0, 10, policy="throughput")[0].peer_id == "idle"
+    assert find_route([busy, _sv("idle", 0, 10, 1000.0, 0.01)], 0, 10, policy="throughput")[0].peer_id == "busy"
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_random_swarms_throughput_route_is_exact_cover_and_cheapest(seed: int) -> None:
+    rnd = random.Random(seed)
+    num_blocks = rnd.randint(1, 30)
+    servers = _random_swarm(rnd, num_blocks)
+    start = rnd.randrange(num_blocks)
+    end = rnd.randint(start, num_blocks)
+    banned = {s.peer_id for s in servers if rnd.random() < 0.2}
+    tokens, full = rnd.choice([1, 16, 4096]), rnd.choice([1, 1024])
+    missing = missing_blocks(servers, start, end, banned=banned)
+    for rng in (None, random.Random(seed)):
+        route = find_route(
+            servers, start, end, banned=banned, tokens=tokens, rng=rng, policy="throughput", full_tokens=full
+        )
+        if missing:
+            assert route is None
+            continue
+        assert route is not None
+        _check_route_shape(servers, route, start, end, banned)
+        costed = max(tokens, full)
+        hop = _throughput_hop(servers, start, end, banned, costed)
+        by_peer = {s.peer_id: s for s in servers}
+        cost = sum(hop(by_peer[h.peer_id]) + (h.end - h.start) * costed / by_peer[h.peer_id].throughput for h in route)
+        best = _brute_force(servers, start, end, banned, costed, hop)
+        # with the default tie tolerance (0) a drawn route is a cheapest one too
+        assert cost == pytest.approx(best, rel=1e-9, abs=1e-12)

@@ -22,7 +22,7 @@ from swarmlm.swarm import private, reports
 from swarmlm.swarm.dht import ParentBoundDHT, daemon_maddr, is_loopback_maddr, start_dht
 from swarmlm.swarm.private import blind_prefix
 from swarmlm.swarm.records import ServerRecord, fetch_servers
-from swarmlm.swarm.routing import RouteSpan, ServerView, find_route, missing_blocks
+from swarmlm.swarm.routing import Policy, RouteSpan, ServerView, find_route, missing_blocks, policy_for
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +75,9 @@ class SequenceManager:
         self._my_reports: dict[str, reports.Report] = {}  # servers this client caught, as published on the DHT
         self._background: set[asyncio.Task] = set()  # report publications in flight
         self.wire = wire_dtype_of(config.wire_dtype)  # what float32 activations travel as (client/wire.py)
+        # what routes minimize (config.routing, checked here): for batch work, and for routes opening sessions
+        self.batch_policy = policy_for(config.routing, inference=False)
+        self.session_policy = policy_for(config.routing, inference=True)
         self._connected: set[str] = set()
         self._joined: set[str] = set()  # servers of a private swarm this client proved its membership to
         self._rng = random.Random()
@@ -174,19 +177,21 @@ class SequenceManager:
         """A route over blocks [start, end) for `tokens` tokens, without the servers in `avoid`; waits for missing
         blocks up to the configured timeout. session_tokens (batch x max_length): the route opens inference
         sessions of this size, so servers announcing too little free cache for one are avoided while others can
-        serve their blocks (announcements lag: when none can, the servers themselves answer). Without spread, the
-        cheapest route is taken (no draw among near-equal ones, no stickiness) and missing blocks are not waited for:
-        spot checks want few servers, and a check without an independent route is skipped, not waited for."""
+        serve their blocks (announcements lag: when none can, the servers themselves answer); such a route follows
+        the session policy, others the batch policy (config.routing). Without spread, the cheapest route is taken (no
+        draw among near-equal ones, no stickiness) and missing blocks are not waited for: spot checks want few
+        servers, and a check without an independent route is skipped, not waited for."""
         began = time.monotonic()
+        policy = self.batch_policy if session_tokens is None else self.session_policy
         await self.measure_unknown(start, end)
         while True:
             banned, views = self._excluded(tokens, avoid), self.view.views(self.health)
             roomy = banned if session_tokens is None else banned | self.view.full_for(session_tokens)
-            route = (self._explore(views, start, end, tokens, roomy) if spread else None) or self._find(
-                views, start, end, tokens, roomy, spread
+            route = (self._explore(views, start, end, tokens, roomy, policy) if spread else None) or self._find(
+                views, start, end, tokens, roomy, policy, spread
             )
             if route is None and roomy != banned:  # announcements lag: when none has room, the servers answer
-                route = self._find(views, start, end, tokens, banned, spread)
+                route = self._find(views, start, end, tokens, banned, policy, spread)
             if route is not None:
                 now = time.monotonic()
                 self._last_used.update((span.peer_id, now) for span in route)
@@ -210,15 +215,23 @@ class SequenceManager:
             await measure_all(unknown, self.ensure_connected, self.p2p, timeout_s, self.health.record_ping)
 
     def _find(
-        self, views: list[ServerView], start: int, end: int, tokens: int, banned: set[str], spread: bool = True
+        self,
+        views: list[ServerView],
+        start: int,
+        end: int,
+        tokens: int,
+        banned: set[str],
+        policy: Policy,
+        spread: bool = True,
     ) -> list[RouteSpan] | None:
-        """find_route drawing among near-equal routes, preferring the servers this client used recently (without
-        spread: the cheapest route)."""
-        if not spread:
-            return find_route(views, start, end, banned=banned, tokens=tokens)
-        recent = time.monotonic() - self.config.sticky_route_s
-        prefer = {peer for peer, when in self._last_used.items() if when > recent}
+        """find_route under `policy` drawing among near-equal routes, preferring the servers this client used
+        recently (without spread: the cheapest route)."""
         config = self.config
+        if not spread:
+            full = config.max_tokens_per_request
+            return find_route(views, start, end, banned=banned, tokens=tokens, policy=policy, full_tokens=full)
+        recent = time.monotonic() - config.sticky_route_s
+        prefer = {peer for peer, when in self._last_used.items() if when > recent}
         return find_route(
             views,
             start,
@@ -229,10 +242,12 @@ class SequenceManager:
             tie_tolerance=config.route_tie_tolerance,
             prefer=prefer,
             stickiness=config.route_stickiness,
+            policy=policy,
+            full_tokens=config.max_tokens_per_request,
         )
 
     def _explore(
-        self, views: list[ServerView], start: int, end: int, tokens: int, banned: set[str]
+        self, views: list[ServerView], start: int, end: int, tokens: int, banned: set[str], policy: Policy
     ) -> list[RouteSpan] | None:
         """Now and then (once per explore_interval_s), a route through a server this client has never measured:
         its announced speed is only a claim, capped, so without a try a better replica could stay unknown forever.
@@ -251,7 +266,7 @@ class SequenceManager:
         lo, hi = max(pick.start, start), min(pick.end, end)
         # every other server of the picked one's blocks is left out, so the route must go through it
         others = {v.peer_id for v in views if v.peer_id != pick.peer_id and v.start < hi and v.end > lo}
-        route = self._find(views, start, end, tokens, banned | others)
+        route = self._find(views, start, end, tokens, banned | others, policy)
         if route is not None:
             logger.info("Trying server ...%s (never measured) for blocks %d:%d", pick.peer_id[-6:], lo, hi)
         return route

@@ -1,11 +1,12 @@
-"""Route planning: the cheapest chain of servers whose block spans cover a requested block range exactly once."""
+"""Route planning: the cheapest chain of servers whose block spans cover a requested block range exactly once, for
+least latency (inference sessions) or most throughput (batch work)."""
 
 import math
 import random
 import statistics
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 # Fixed cost of every hop on top of its round trip: (de)serializing hidden states and dispatching the request.
 DEFAULT_HOP_COST_S = 0.005
@@ -18,6 +19,19 @@ MAX_PRIOR_FACTOR = 2.0
 _TIE_REL_TOL = 1e-9
 # Announced load multiplies a server's cost by at most 1 + this: a claim may make it look busier, never faster.
 MAX_LOAD_FACTOR = 1.0
+# The throughput policy costs every request as one of this many tokens (the client's default max_tokens_per_request)
+# unless told the client's own figure: batch work comes in full requests, whose compute outweighs round trips.
+FULL_REQUEST_TOKENS = 1024
+# Under the throughput policy each hop also costs this fraction of the route's compute, for moving all its tokens: a
+# tenth keeps a route in one piece unless faster servers save more than that, and is above the default tie tolerance,
+# so replicas are not cut into pieces that tie with whole ones (round trips alone are small next to full requests).
+THROUGHPUT_HOP_SHARE = 0.1
+
+# What a route minimizes: "latency" the time of this request (round trips, overheads, compute of its tokens), for
+# token-by-token inference; "throughput" the time of a full request, hops' traffic included, for batch work.
+Policy = Literal["latency", "throughput"]
+# The client's routing option: a policy for everything, or "auto" (latency for inference, throughput otherwise).
+ROUTING_MODES = ("auto", "latency", "throughput")
 
 
 @dataclass(frozen=True)
@@ -46,7 +60,7 @@ class _Group(NamedTuple):
 
     lo: int  # first block of the requested range this group can run
     hi: int  # one past the last block of the requested range this group can run
-    hop_cost: float  # fixed cost of one hop: overhead plus round trip
+    hop_cost: float  # fixed cost of one hop: overhead plus round trip (and, for throughput, its traffic)
     block_cost: float  # cost of one block for the requested number of tokens
     peers: tuple[str, ...]  # sorted, without duplicates, so random tie-breaking is fair and reproducible
 
@@ -61,6 +75,16 @@ def bounded_priors(announced: Sequence[float]) -> list[float]:
         return list(announced)
     cap = MAX_PRIOR_FACTOR * statistics.median_low(valid)
     return [min(t, cap) if math.isfinite(t) and t > 0 else t for t in announced]
+
+
+def policy_for(routing: str, inference: bool) -> Policy:
+    """The policy of a route: `routing` itself, or for "auto" latency when the route opens inference sessions and
+    throughput for batch work (forward, backward)."""
+    if routing not in ROUTING_MODES:
+        raise ValueError(f"routing must be one of {', '.join(ROUTING_MODES)}, not {routing!r}")
+    if routing == "auto":
+        return "latency" if inference else "throughput"
+    return "latency" if routing == "latency" else "throughput"
 
 
 def _check_range(start: int, end: int) -> None:
@@ -92,6 +116,10 @@ def _load(server: ServerView) -> float:
     return min(MAX_LOAD_FACTOR, max(0.0, server.load))
 
 
+def _round_trip_hop(server: ServerView) -> float:
+    return DEFAULT_HOP_COST_S + _latency(server)
+
+
 def _group_servers(
     servers: Sequence[ServerView],
     start: int,
@@ -100,7 +128,9 @@ def _group_servers(
     tokens: int,
     prefer: Collection[str],
     stickiness: float,
+    hop_s: Callable[[ServerView], float] = _round_trip_hop,
 ) -> list[_Group]:
+    """Servers of the range in cost classes; a hop on a server costs hop_s(server) before load and stickiness."""
     # Replicas usually share span and speed; costing each class once keeps the search fast with many replicas.
     classes: dict[tuple[int, int, float, float], set[str]] = {}
     for server in servers:
@@ -113,7 +143,7 @@ def _group_servers(
         key = (
             max(server.start, start),
             min(server.end, end),
-            (DEFAULT_HOP_COST_S + _latency(server)) * scale,
+            hop_s(server) * scale,
             tokens / server.throughput * scale,
         )
         classes.setdefault(key, set()).add(server.peer_id)
@@ -228,6 +258,21 @@ def _merge_same_peer(hops: Sequence[RouteSpan]) -> list[RouteSpan]:
     return merged
 
 
+def _least_compute(
+    servers: Sequence[ServerView],
+    start: int,
+    end: int,
+    banned: frozenset[str],
+    tokens: int,
+    prefer: frozenset[str],
+    stickiness: float,
+) -> float:
+    """Compute of `tokens` tokens over [start, end) on the route that needs the least, hops free (inf: uncovered)."""
+    free = _group_servers(servers, start, end, banned, tokens, prefer, stickiness, hop_s=lambda server: 0.0)
+    groups, covering = _drop_dominated(free, 0.0)
+    return _route_costs(groups, covering, start, end)[end]
+
+
 def find_route(
     servers: Sequence[ServerView],
     start: int,
@@ -239,12 +284,19 @@ def find_route(
     tie_tolerance: float = 0.0,
     prefer: Collection[str] = (),
     stickiness: float = 0.0,
+    policy: Policy = "latency",
+    full_tokens: int = FULL_REQUEST_TOKENS,
 ) -> list[RouteSpan] | None:
     """Cheapest chain of hops applying every block of [start, end) exactly once; None if some block is uncovered.
 
-    A hop on server s running k blocks costs (DEFAULT_HOP_COST_S + latency + k * tokens / s.throughput) times
-    (1 + its bounded load), so routes with fewer hops and nearer, idler servers win, and for large inputs faster
-    servers win. A hop may begin at any block inside the server's span.
+    Under the latency policy a hop on server s running k blocks costs (DEFAULT_HOP_COST_S + latency +
+    k * tokens / s.throughput) times (1 + its bounded load), so routes with fewer hops and nearer, idler servers win,
+    and for large inputs faster servers win. A hop may begin at any block inside the server's span.
+
+    The throughput policy costs the request as one of at least full_tokens tokens (a full request of batch work),
+    and each hop also THROUGHPUT_HOP_SHARE times the least compute of such a request over [start, end): servers with
+    more throughput per block win unless round trips are comparable to what they save, and an extra hop must save
+    more than that share. The route then does not depend on the request's size (up to full_tokens).
 
     With rng, the route is drawn at random among those costing at most tie_tolerance (a fraction) more than the
     cheapest, so clients whose measurements differ by jitter still spread over replicas; without rng the choice is
@@ -253,16 +305,25 @@ def find_route(
     by more than that margin; the route then costs at most (1 + stickiness) (1 + tie_tolerance) times the cheapest.
     """
     _check_range(start, end)
-    if tokens < 0:
-        raise ValueError(f"tokens must be >= 0, got {tokens}")
+    if tokens < 0 or full_tokens < 0:
+        raise ValueError(f"tokens and full_tokens must be >= 0, got {tokens}, {full_tokens}")
     if not (tie_tolerance >= 0 and stickiness >= 0 and math.isfinite(tie_tolerance + stickiness)):
         raise ValueError(f"tie_tolerance and stickiness must be finite and >= 0, got {tie_tolerance}, {stickiness}")
     if start == end:
         return []
     tolerance = tie_tolerance if rng is not None else 0.0
     # Banned and preferred ids are looked up once per server; sets keep that O(1) whatever collection was passed.
-    prefer = frozenset(prefer)
-    found = _group_servers(servers, start, end, frozenset(banned), tokens, prefer, stickiness)
+    prefer, banned = frozenset(prefer), frozenset(banned)
+    traffic_s = 0.0  # moving a hop's tokens, on top of its round trip: counted for the full requests of throughput
+    if policy == "throughput":
+        tokens = max(tokens, full_tokens)
+        compute = _least_compute(servers, start, end, banned, tokens, prefer, stickiness)
+        if math.isinf(compute):
+            return None
+        traffic_s = THROUGHPUT_HOP_SHARE * compute
+    found = _group_servers(
+        servers, start, end, banned, tokens, prefer, stickiness, lambda server: _round_trip_hop(server) + traffic_s
+    )
     groups, covering = _drop_dominated(found, tolerance)
     cost = _route_costs(groups, covering, start, end)
     if math.isinf(cost[end]):
