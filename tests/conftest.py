@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from swarmlm import AutoDistributedModelForCausalLM
 from swarmlm.local_swarm import LocalSwarm
-from swarmlm.models.loading import DEFAULT_MODEL, resolve_model
+from swarmlm.models.loading import DEFAULT_MODEL, load_config, resolve_model
 
 # fp32 logits through the swarm must match a local run this closely
 LOGITS_ATOL = 1e-4
@@ -49,7 +49,9 @@ def smollm_dir() -> Path:
 
 
 def load_reference(model_dir: Path) -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa", dtype=torch.float32).eval()
+    """The local model in fp32, with the attention implementation the servers run (sdpa; eager for Gemma 2)."""
+    attention = load_config(model_dir)._attn_implementation
+    return AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=attention, dtype=torch.float32).eval()
 
 
 @contextmanager

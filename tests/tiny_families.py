@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
     Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
@@ -53,6 +54,14 @@ def tiny_config(model_type: str) -> PretrainedConfig:
             **options, head_dim=16, sliding_window=WINDOW, sliding_window_pattern=2, final_logit_softcapping=3.0,
             query_pre_attn_scalar=16,
         )  # fmt: skip
+    if model_type == "gemma2":
+        # sliding and global layers alternate; weights large enough and caps low enough that both soft-cappings
+        # change the logits (by ~0.6 and ~0.8 here: without either, the logits test fails)
+        options = {**COMMON, "tie_word_embeddings": True}
+        return Gemma2Config(
+            **options, head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=24, attn_logit_softcapping=1.0,
+            final_logit_softcapping=3.0, initializer_range=0.1,
+        )  # fmt: skip
     if model_type == "phi3":
         return Phi3Config(**COMMON, partial_rotary_factor=0.5)
     if model_type == "mixtral":
@@ -60,7 +69,7 @@ def tiny_config(model_type: str) -> PretrainedConfig:
     raise ValueError(model_type)
 
 
-FAMILIES = ("mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "mixtral")
+FAMILIES = ("mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "mixtral")
 
 
 def build_tiny(model_type: str, folder: Path, seed: int = 0) -> Path:

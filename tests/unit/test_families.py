@@ -12,6 +12,7 @@ from transformers.cache_utils import DynamicCache
 
 from swarmlm.errors import ModelLoadError
 from swarmlm.models.batched import decode_batched, prefill_batched
+from swarmlm.models.loading import load_config
 from swarmlm.models.mixtral import fused_experts
 from swarmlm.models.registry import SLIDING_ATTENTION, get_family
 from swarmlm.models.span import SpanModel
@@ -140,12 +141,21 @@ def test_windows_and_layer_kinds_come_from_the_family() -> None:
     kinds = {name: get_family(tiny_config(name)).layer_kinds(tiny_config(name)) for name in FAMILIES}
     assert kinds["mistral"] == [SLIDING_ATTENTION] * 4
     assert kinds["qwen2"] == ["full_attention", "full_attention", SLIDING_ATTENTION, SLIDING_ATTENTION]
-    assert kinds["gemma3_text"] == [SLIDING_ATTENTION, "full_attention"] * 2
+    assert kinds["gemma3_text"] == kinds["gemma2"] == [SLIDING_ATTENTION, "full_attention"] * 2
     assert kinds["qwen3"] == kinds["phi3"] == kinds["mixtral"] == ["full_attention"] * 4
-    bidirectional = tiny_config("gemma3_text")
-    bidirectional.use_bidirectional_attention = True
-    with pytest.raises(ModelLoadError, match="bidirectional"):
-        get_family(bidirectional).layer_kinds(bidirectional)
+    for name in ("gemma2", "gemma3_text"):
+        bidirectional = tiny_config(name)
+        bidirectional.use_bidirectional_attention = True
+        with pytest.raises(ModelLoadError, match="bidirectional"):
+            get_family(bidirectional).layer_kinds(bidirectional)
+
+
+def test_spans_run_the_attention_their_family_needs(family_dir: Path) -> None:
+    """Gemma 2 soft-caps attention scores, which sdpa cannot (transformers raises when asked): its layers run eager
+    attention, every other family's sdpa."""
+    config = load_config(family_dir)
+    assert config._attn_implementation == ("eager" if config.model_type == "gemma2" else "sdpa")
+    assert SpanModel.from_dir(family_dir, 0, 1).config._attn_implementation == config._attn_implementation
 
 
 def test_mixtral_experts_are_fused_like_transformers_does(tmp_path: Path) -> None:

@@ -57,7 +57,7 @@ def test_unknown_families_are_named_in_the_error() -> None:
     class FakeConfig:
         model_type = "mamba"
 
-    supported = "gemma3_text, llama, mistral, mixtral, phi3, qwen2, qwen3"
+    supported = "gemma2, gemma3_text, llama, mistral, mixtral, phi3, qwen2, qwen3"
     with pytest.raises(ModelLoadError, match=f"'mamba' is not supported yet; supported: {supported}"):
         get_family(FakeConfig())
 

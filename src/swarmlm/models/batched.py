@@ -2,14 +2,14 @@
 prompts of several fresh sessions, likewise (prefill_batched).
 
 The projections and MLPs of all sessions run as one batch (that is where the batch pays: their weights are read once).
-Attention runs session by session over each session's own cache, as Hugging Face's sdpa attention runs it for a
-session alone: nothing is copied into a padded stack, so a step's cost does not grow with the other sessions'
-histories, and each session's result is what it gets alone.
+Attention runs session by session over each session's own cache, as Hugging Face's sdpa attention (or the family's
+eager attention, for families that need it) runs it for a session alone: nothing is copied into a padded stack, so a
+step's cost does not grow with the other sessions' histories, and each session's result is what it gets alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -32,12 +32,14 @@ class SessionCaches:
     def __init__(
         self, caches: Sequence[DynamicCache], rows: Sequence[int], windows: dict[int, int | None],
         masks: Sequence[torch.Tensor | None] | None = None, tokens: Sequence[int] | None = None,
+        eager: Callable[..., tuple[torch.Tensor, Any]] | None = None,
     ):  # fmt: skip
         """windows: by global layer index, how many of the last positions a new token sees (None: all). masks: each
         session's padding mask over its history and new token, (rows, history + 1) bool, True where the new token
         may attend (None: everywhere). tokens: for prompts (prefill_batched), each session's number of new tokens,
-        laid one after another along the sequence of a single row (rows are then all 1); None: one token per row."""
-        self.caches, self.rows, self.windows = list(caches), list(rows), windows
+        laid one after another along the sequence of a single row (rows are then all 1); None: one token per row.
+        eager: the family's eager attention, which each session's attention then runs instead of sdpa."""
+        self.caches, self.rows, self.windows, self.eager = list(caches), list(rows), windows, eager
         self.masks = list(masks) if masks is not None else [None] * len(self.caches)
         self.tokens = None if tokens is None else list(tokens)
         self.histories: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # by layer, until its attention
@@ -75,21 +77,19 @@ def sessions_attention(
 ) -> tuple[torch.Tensor, None]:  # fmt: skip
     """The attention of a batched decode step: query (rows, heads, 1, dim) of all sessions; each session's rows attend
     over its own cached keys/values (the last `window` of them for a sliding-window layer) by Hugging Face's sdpa
-    attention, called as for that session alone (with the same kind of mask, so it takes the same kernel). Returns
-    (rows, 1, heads, dim), like sdpa_attention_forward."""
+    attention (or the family's eager one), called as for that session alone (with the same kind of mask, so it takes
+    the same kernel). Returns (rows, 1, heads, dim), like sdpa_attention_forward."""
     batch = kwargs.pop("sessions", None)
     if not isinstance(batch, SessionCaches):
         raise RuntimeError(f"the {SESSIONS_ATTENTION!r} attention runs only inside decode_batched")
     layer_idx = int(module.layer_idx)  # type: ignore[arg-type]  # attention modules know their layer's index
     window = batch.windows.get(layer_idx)
+    kwargs.update(dropout=dropout, scaling=scaling)
     outputs, row = [], 0
     if batch.tokens is not None:  # fresh prompts (prefill_batched): each segment attends causally over itself
         for count, (keys, values) in zip(batch.tokens, batch.histories.pop(layer_idx), strict=True):
-            out, _ = sdpa_attention_forward(
-                module, query[:, :, row : row + count], keys, values, None, dropout=dropout, scaling=scaling, **kwargs
-            )
-            outputs.append(out)  # (1, count, heads, dim)
-            row += count
+            outputs.append(_attend(batch, module, query[:, :, row : row + count], keys, values, None, **kwargs))
+            row += count  # outputs (1, count, heads, dim)
         return (torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]), None
     for rows, (keys, values), padding in zip(batch.rows, batch.histories.pop(layer_idx), batch.masks, strict=True):
         mask = None if padding is None else padding[:, None, None, :]
@@ -97,12 +97,28 @@ def sessions_attention(
             # as the session's own sliding-window mask has it: the new token sees the last `window` positions
             recent = (torch.arange(keys.shape[-2], device=keys.device) >= keys.shape[-2] - window)[None, None, None, :]
             mask = recent if mask is None else mask & recent
-        out, _ = sdpa_attention_forward(
-            module, query[row : row + rows], keys, values, mask, dropout=dropout, scaling=scaling, **kwargs
-        )
-        outputs.append(out)
+        outputs.append(_attend(batch, module, query[row : row + rows], keys, values, mask, **kwargs))
         row += rows
     return (torch.cat(outputs) if len(outputs) > 1 else outputs[0]), None
+
+
+def _attend(
+    batch: SessionCaches, module: nn.Module, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+    allowed: torch.Tensor | None, **kwargs: Any,
+) -> torch.Tensor:  # fmt: skip
+    """One session's attention: query (rows, heads, q, dim) over its keys/values (rows, kv_heads, k, dim); allowed
+    (bool, broadcast to (rows, 1, q, k)) says what it may see, None: everything up to itself (causal). Returns
+    (rows, q, heads, dim). Eager attention adds its mask to the scores and has no causal default, so its mask is a
+    float one, made causal when a prompt (q > 1) comes without one, as Hugging Face's eager masks are."""
+    if batch.eager is None:
+        return sdpa_attention_forward(module, query, keys, values, allowed, **kwargs)[0]
+    if allowed is None and query.shape[-2] > 1:  # a fresh prompt: keys are its own tokens
+        allowed = torch.ones(query.shape[-2], keys.shape[-2], dtype=torch.bool, device=query.device).tril()
+    mask = None
+    if allowed is not None:
+        mask = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device)
+        mask = mask.masked_fill(~allowed, torch.finfo(query.dtype).min)
+    return batch.eager(module, query, keys, values, mask, **kwargs)[0]
 
 
 AttentionInterface.register(SESSIONS_ATTENTION, sessions_attention)
@@ -134,7 +150,7 @@ def decode_batched(
     }
     window = getattr(span.config, "sliding_window", None)
     windows = {start + i: window if kind == SLIDING_ATTENTION else None for i, kind in enumerate(kinds)}
-    batch = SessionCaches(caches, rows, windows, bool_masks)
+    batch = SessionCaches(caches, rows, windows, bool_masks, eager=span.family.eager_attention)
     states = _through_layers(span, states, position_ids, rotaries, batch, start, end)
     return list(torch.split(states, rows))
 
@@ -162,7 +178,7 @@ def prefill_batched(
     rotaries = {
         kind: span.family.position_embeddings(span.rotary, states, position_ids, kind) for kind in dict.fromkeys(kinds)
     }
-    batch = SessionCaches(caches, [1] * len(caches), {}, None, tokens)
+    batch = SessionCaches(caches, [1] * len(caches), {}, None, tokens, span.family.eager_attention)
     states = _through_layers(span, states, position_ids, rotaries, batch, start, end)
     return list(torch.split(states, tokens, dim=1))
 

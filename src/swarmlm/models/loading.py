@@ -116,12 +116,15 @@ def converted_from(folder: Path) -> str | None:
 
 
 def load_config(model_dir: Path) -> transformers.PretrainedConfig:
-    """The model's config, set to the "sdpa" attention implementation.
+    """The model's config, set to the attention implementation of its family: "sdpa", or "eager" for families that
+    sdpa cannot run (Gemma 2's soft-capped attention logits).
 
     A config loaded on its own carries no attention implementation, and decoder layers built from it then run
     without causal masking, silently giving wrong results; hence the explicit implementation and the check.
     """
     from transformers import AutoConfig
+
+    from swarmlm.models.registry import attn_implementation
 
     try:
         # mixture-of-experts blocks built from a bare config have no experts implementation either: the sequential
@@ -131,10 +134,12 @@ def load_config(model_dir: Path) -> transformers.PretrainedConfig:
         )
     except (OSError, ValueError, KeyError) as e:
         raise ModelLoadError(f"Cannot read the model config in {model_dir}: {e}") from e
-    if config._attn_implementation != "sdpa":
+    wanted = attn_implementation(config.model_type)
+    config._attn_implementation = wanted
+    if config._attn_implementation != wanted:
         raise ModelLoadError(
             f"The config in {model_dir} has attention implementation {config._attn_implementation!r} instead of "
-            "'sdpa'; decoder layers built from it would not apply causal masking correctly."
+            f"{wanted!r}; decoder layers built from it would not apply causal masking correctly."
         )
     return config
 

@@ -57,6 +57,19 @@ def no_buffers(model: nn.Module) -> None:
     return None
 
 
+def scaled_embedding_buffer(model: nn.Module) -> None:
+    """The embedding's sqrt(hidden) scale (Gemma) is a buffer no checkpoint stores: recompute it from its scalar."""
+    embedding = model.get_submodule("model.embed_tokens")
+    embedding.embed_scale = torch.tensor(embedding.scalar_embed_scale)
+
+
+def causal_layer_kind(config: PretrainedConfig, layer_idx: int) -> str:
+    """config.layer_types; bidirectional attention (Gemma's embedding-model variant) is not a causal LM: refused."""
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ModelLoadError(f"{config.model_type!r} with use_bidirectional_attention is not a causal LM: unsupported")
+    return layer_kind_from_config(config, layer_idx)
+
+
 def stored_as_is(config: PretrainedConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return tensors
 
@@ -86,6 +99,14 @@ class ModelFamily:
     client_buffers: Callable[[nn.Module], None] = no_buffers
     # (config, logits) -> logits: what the local model does after its LM head (soft-capping)
     final_logits: Callable[[PretrainedConfig, torch.Tensor], torch.Tensor] = plain_logits
+    # the family's own eager attention, for layers that sdpa cannot run (Gemma 2 soft-caps attention logits); its
+    # layers then run Hugging Face's "eager" implementation. None: "sdpa"
+    eager_attention: Callable[..., tuple[torch.Tensor, torch.Tensor | None]] | None = None
+
+    @property
+    def attn_implementation(self) -> str:
+        """The Hugging Face attention implementation the family's layers run with."""
+        return "sdpa" if self.eager_attention is None else "eager"
 
     def block_tensor_prefix(self, index: int) -> str:
         return f"{self.block_prefix}{index}."
@@ -112,6 +133,7 @@ _BUILT_IN = {
     "mistral": "mistral",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "gemma2": "gemma2",
     "gemma3_text": "gemma3",
     "phi3": "phi3",
     "mixtral": "mixtral",
@@ -123,12 +145,23 @@ def register_family(family: ModelFamily) -> ModelFamily:
     return family
 
 
+def _registered(model_type: str) -> ModelFamily | None:
+    if model_type not in _FAMILIES and model_type in _BUILT_IN:
+        importlib.import_module(f"swarmlm.models.{_BUILT_IN[model_type]}")  # registers itself
+    return _FAMILIES.get(model_type)
+
+
+def attn_implementation(model_type: str) -> str:
+    """The attention implementation layers of `model_type` run with: the family's, or "sdpa" for a type that is not
+    supported (the error comes when the family itself is asked for)."""
+    family = _registered(model_type)
+    return "sdpa" if family is None else family.attn_implementation
+
+
 def get_family(config: PretrainedConfig) -> ModelFamily:
     """The family of a config; a clear error lists what is supported."""
     model_type = config.model_type
-    if model_type not in _FAMILIES and model_type in _BUILT_IN:
-        importlib.import_module(f"swarmlm.models.{_BUILT_IN[model_type]}")  # registers itself
-    family = _FAMILIES.get(model_type)
+    family = _registered(model_type)
     if family is None:
         supported = ", ".join(sorted({*_FAMILIES, *_BUILT_IN}))
         raise ModelLoadError(f"model_type {model_type!r} is not supported yet; supported: {supported}")
