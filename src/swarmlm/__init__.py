@@ -7,12 +7,14 @@ from typing import TYPE_CHECKING, Any
 
 from swarmlm.errors import (
     BadRequestError,
+    ConfigError,
     MissingBlocksError,
     ModelLoadError,
     ProtocolError,
     RemoteCallError,
     SessionClosedError,
     SwarmError,
+    UnreachablePeersError,
 )
 
 if TYPE_CHECKING:
@@ -46,6 +48,7 @@ __all__ = [
     "AutoDistributedModelForCausalLM",
     "BadRequestError",
     "ClientConfig",
+    "ConfigError",
     "MissingBlocksError",
     "ModelLoadError",
     "ProtocolError",
@@ -54,6 +57,7 @@ __all__ = [
     "ServerConfig",
     "SessionClosedError",
     "SwarmError",
+    "UnreachablePeersError",
 ]
 
 

@@ -75,3 +75,9 @@ class ClientConfig:
     ping_timeout_s: float = 2.0  # servers not yet called get one timed rpc_info before routing; longer = this far
     explore_interval_s: float = 30.0  # at most one route per this many s tries a server never measured (0: never)
     routing: str = "auto"  # "latency" | "throughput" | "auto": latency for inference sessions, throughput otherwise
+
+    def __post_init__(self) -> None:
+        # a wrong value fails here, naming its field, not deep in a request later (or never, silently)
+        from swarmlm.checks import check_client_config
+
+        check_client_config(self)

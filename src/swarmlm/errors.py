@@ -5,6 +5,14 @@ class SwarmError(Exception):
     """Base class of every error raised by swarmlm."""
 
 
+class ConfigError(SwarmError, ValueError):
+    """An option has a value of the wrong type or out of its range; the message names the option."""
+
+
+class UnreachablePeersError(SwarmError):
+    """None of the initial peers answered, so the swarm could not be joined."""
+
+
 class ModelLoadError(SwarmError):
     """A model could not be found, converted or read."""
 

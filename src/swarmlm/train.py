@@ -13,6 +13,7 @@ import torch
 from tqdm.auto import tqdm
 
 from swarmlm.client.prompts import IGNORE_INDEX
+from swarmlm.errors import ConfigError
 
 DATASET = Path(__file__).parent / "examples" / "sentiment.jsonl"
 LABELS = ("positive", "negative")
@@ -139,8 +140,11 @@ def run_training(options: TrainOptions) -> tuple[float, float]:
     from swarmlm.local_swarm import start_even_swarm
     from swarmlm.models.loading import load_config, load_tokenizer, resolve_model
 
-    model_dir = resolve_model(options.model)
     train_set, held_out = split_examples(load_examples(), options.held_out)
+    if not 1 <= options.batch_size <= len(train_set):  # checked before the model loads and any server starts
+        raise ConfigError(f"--batch-size {options.batch_size}: must be from 1 up to {len(train_set)}, the task's "
+                          "training examples")  # fmt: skip
+    model_dir = resolve_model(options.model)
     task = SentimentTask(load_tokenizer(model_dir))
     swarm, peers = None, options.initial_peers
     if not peers:

@@ -15,7 +15,9 @@ from aiohttp import web
 from swarmlm.api.app import Routes
 from swarmlm.api.engine import Engine
 from swarmlm.api.monitor import Monitor, format_status, short_id
+from swarmlm.checks import check_can_listen
 from swarmlm.client.model import AutoDistributedModelForCausalLM, DistributedCausalLMMixin
+from swarmlm.errors import SwarmError
 from swarmlm.models.loading import load_config, load_tokenizer, resolve_model
 from swarmlm.models.naming import model_name
 from swarmlm.swarm.dht import is_loopback_maddr, start_dht
@@ -73,6 +75,7 @@ def client_info(model: DistributedCausalLMMixin, engine: Engine) -> dict[str, An
 
 def run_api(options: ApiOptions) -> None:
     """Serve the API until SIGINT/SIGTERM."""
+    check_can_listen(options.host, options.port)  # before the model loads and the swarm is joined
     model_dir = resolve_model(options.model)
     names = served_names(options.model, options.served_name)
     # the swarm is named after the model as given, like its servers do (the folder it resolves to is named alike)
@@ -95,6 +98,7 @@ def run_api(options: ApiOptions) -> None:
 
 def run_monitor(initial_peers: tuple[str, ...], host: str, port: int) -> None:
     """Serve the monitor page of a swarm (no model, no API) until SIGINT/SIGTERM."""
+    check_can_listen(host, port)
     dht = _client_dht(initial_peers)
     try:
         monitor = Monitor(dht)
@@ -135,7 +139,10 @@ async def _serve(routes: Routes, monitor: Monitor, host: str, port: int, ready_l
     await runner.setup()
     try:
         site = web.TCPSite(runner, host, port)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as e:  # taken since it was checked, or refused for another reason
+            raise SwarmError(f"cannot serve HTTP on {host}:{port}: {e.strerror or e}") from e
         bound = runner.addresses[0]
         print(f"{ready_line}http://{host}:{bound[1]}", flush=True)
         await stop.wait()

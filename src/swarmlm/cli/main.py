@@ -6,10 +6,12 @@ import argparse
 import logging
 import sys
 
+from swarmlm.cli.args import Parser, check_arguments, fraction, non_negative, port, positive, positive_int
 from swarmlm.config import ServerConfig
 from swarmlm.errors import SwarmError
-from swarmlm.models.loading import DEFAULT_MODEL
-from swarmlm.models.quant import QUANT_MODES
+from swarmlm.models.constants import DEFAULT_MODEL, QUANT_MODES
+
+logger = logging.getLogger(__name__)
 
 
 def parse_blocks(text: str) -> tuple[int, int]:
@@ -25,14 +27,14 @@ def parse_blocks(text: str) -> tuple[int, int]:
 def _add_network_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR", help="multiaddrs of swarm peers")
     parser.add_argument("--host", default="0.0.0.0", help="interface to listen on (default: all)")
-    parser.add_argument("--port", type=int, default=0, help="TCP port to listen on (default: any free port)")
+    parser.add_argument("--port", type=port, default=0, help="TCP port to listen on (default: any free port)")
     parser.add_argument(
         "--swarm-key", default=None, metavar="FILE", help="join (or start) the private swarm of this key file"
     )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="swarmlm", description="Run large language models over a swarm of servers")
+    parser = Parser(prog="swarmlm", description="Run large language models over a swarm of servers")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -41,8 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     span = serve.add_mutually_exclusive_group(required=True)
     span.add_argument("--blocks", type=parse_blocks, metavar="START:END", help="blocks to serve")
     span.add_argument(
-        "--num-blocks", type=int, metavar="N", help="serve N consecutive blocks where the swarm is weakest (and move)"
-    )
+        "--num-blocks", type=positive_int, metavar="N",
+        help="serve N consecutive blocks where the swarm is weakest (and move)",
+    )  # fmt: skip
     serve.add_argument("--new-swarm", action="store_true", help="start a new swarm instead of joining one")
     _add_network_args(serve)
     serve.add_argument("--announce-maddrs", nargs="*", default=[], metavar="MADDR",
@@ -59,66 +62,68 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     serve.add_argument("--dht-prefix", default=None, help="swarm name (default: derived from the model)")
     serve.add_argument("--cache-dir", default=None, help="where converted models are kept (default ~/.cache/swarmlm)")
-    serve.add_argument("--max-tokens-per-request", type=int, default=ServerConfig.max_tokens_per_request)
-    serve.add_argument("--num-threads", type=int, default=None, help="torch compute threads")
+    serve.add_argument("--max-tokens-per-request", type=positive_int, default=ServerConfig.max_tokens_per_request)
+    serve.add_argument("--num-threads", type=positive_int, default=None, help="torch compute threads")
     serve.add_argument(
-        "--cache-tokens", type=int, default=None, help="KV-cache budget in tokens (default: 1/4 of free memory)"
-    )
+        "--cache-tokens", type=positive_int, default=None,
+        help="KV-cache budget in tokens (default: 1/4 of free memory)",
+    )  # fmt: skip
     serve.add_argument(
         "--alloc-timeout",
-        type=float,
+        type=non_negative,
         default=ServerConfig.alloc_timeout_s,
         help="seconds a session waits for cache room, first come first served (0: do not wait)",
     )
-    serve.add_argument("--session-idle-timeout", type=float, default=ServerConfig.session_idle_timeout_s)
+    serve.add_argument("--session-idle-timeout", type=positive, default=ServerConfig.session_idle_timeout_s)
     serve.add_argument(
         "--decode-wait-ms",
-        type=float,
+        type=non_negative,
         default=ServerConfig.decode_wait_s * 1000,
         help="longest a decode step waits for the steps of other recently active sessions, to share one forward "
         "with them (0: never wait)",
     )
     serve.add_argument(
         "--peer-memory-mb",
-        type=float,
+        type=positive,
         default=None,
         help="MB of requests one peer may have buffered (default: 4 maximal requests)",
     )
-    serve.add_argument("--max-sessions-per-peer", type=int, default=ServerConfig.max_sessions_per_peer)
-    serve.add_argument("--max-sessions", type=int, default=ServerConfig.max_sessions, help="sessions of all peers")
+    serve.add_argument("--max-sessions-per-peer", type=positive_int, default=ServerConfig.max_sessions_per_peer)
+    serve.add_argument("--max-sessions", type=positive_int, default=ServerConfig.max_sessions,
+                       help="sessions of all peers")  # fmt: skip
     serve.add_argument(
         "--peer-cache-share",
-        type=float,
+        type=fraction,
         default=ServerConfig.peer_cache_share,
         help="fraction of the KV cache one peer may hold",
     )
     serve.add_argument(
         "--write-timeout",
-        type=float,
+        type=positive,
         default=ServerConfig.write_timeout_s,
         help="seconds a reply may wait for the peer to read it before its stream is closed",
     )
     serve.add_argument(
         "--drain-timeout",
-        type=float,
+        type=non_negative,
         default=ServerConfig.drain_timeout_s,
         help="seconds open inference sessions may go on when the server leaves or moves (then they are closed)",
     )
     serve.add_argument(
         "--rebalance-interval",
-        type=float,
+        type=non_negative,
         default=ServerConfig.rebalance_interval_s,
         help="seconds between checks whether a --num-blocks server should move (0: never)",
     )
     serve.add_argument(
         "--balance-quality",
-        type=float,
+        type=fraction,
         default=ServerConfig.balance_quality,
         help="move when the swarm's bottleneck throughput < this * its bottleneck after the move",
     )
-    serve.add_argument("--announce-interval", type=float, default=ServerConfig.announce_interval_s,
+    serve.add_argument("--announce-interval", type=positive, default=ServerConfig.announce_interval_s,
                        help="seconds between refreshes of the DHT record")  # fmt: skip
-    serve.add_argument("--record-ttl", type=float, default=ServerConfig.record_ttl_s,
+    serve.add_argument("--record-ttl", type=positive, default=ServerConfig.record_ttl_s,
                        help="seconds a record lives unrefreshed (a crashed server is forgotten then)")  # fmt: skip
     serve.add_argument(
         "--quant", choices=QUANT_MODES, default=None,
@@ -129,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--adapters", nargs="+", default=[], metavar="PATH",
         help="PEFT LoRA adapter folders for the served blocks; clients name one by its folder name",
     )  # fmt: skip
-    serve.add_argument("--max-frame-mb", type=float, default=ServerConfig.max_frame_mb, help="largest frame accepted")
+    serve.add_argument("--max-frame-mb", type=positive, default=ServerConfig.max_frame_mb,
+                       help="largest frame accepted")  # fmt: skip
 
     dht = sub.add_parser("dht", help="run a bootstrap-only DHT node that others join")
     _add_network_args(dht)
@@ -141,28 +147,29 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="start a local swarm and chat with the bundled model")
     demo.add_argument("--prompt", default="What is the capital of France?", help="what to ask")
-    demo.add_argument("--servers", type=int, default=2, help="how many local servers split the model")
+    demo.add_argument("--servers", type=positive_int, default=2, help="how many local servers split the model")
     demo.add_argument("--max-new-tokens", type=int, default=64)
     demo.add_argument("--model", default=DEFAULT_MODEL, help="model to serve and chat with")
     demo.add_argument("--chat", action="store_true", help="chat interactively, keeping one session across turns")
     demo.add_argument("--api", action="store_true", help="serve the OpenAI-compatible API (and monitor) on the swarm")
-    demo.add_argument("--api-port", type=int, default=8000, help="HTTP port of --api")
+    demo.add_argument("--api-port", type=port, default=8000, help="HTTP port of --api")
     _add_api_parsers(sub)
     train = sub.add_parser("train", help="tune prompts or LoRA on the shipped sentiment task through a swarm")
     train.add_argument("--model", default=DEFAULT_MODEL, help="model to tune")
     train.add_argument(
         "--initial-peers", nargs="*", default=[], metavar="MADDR", help="use this swarm (default: start one)"
     )
-    train.add_argument("--servers", type=int, default=2, help="servers of the local swarm")
+    train.add_argument("--servers", type=positive_int, default=2, help="servers of the local swarm")
     train.add_argument("--tuning-mode", default="deep_ptune", choices=["ptune", "deep_ptune", "lora"])
-    train.add_argument("--pre-seq-len", type=int, default=8, help="prompt length (ptune, deep_ptune)")
-    train.add_argument("--lora-rank", type=int, default=8, help="LoRA rank (lora)")
-    train.add_argument("--lora-alpha", type=int, default=16, help="LoRA scaling is alpha / rank (lora)")
+    train.add_argument("--pre-seq-len", type=positive_int, default=8, help="prompt length (ptune, deep_ptune)")
+    train.add_argument("--lora-rank", type=positive_int, default=8, help="LoRA rank (lora)")
+    train.add_argument("--lora-alpha", type=positive_int, default=16, help="LoRA scaling is alpha / rank (lora)")
     train.add_argument("--lora-target-modules", nargs="+", default=["q_proj", "v_proj"], metavar="NAME",
                        help="modules of every block LoRA adapts (lora)")  # fmt: skip
-    train.add_argument("--steps", type=int, default=30)
-    train.add_argument("--batch-size", type=int, default=8)
-    train.add_argument("--lr", type=float, default=None, help="Adam learning rate (default: 3e-3 prompts, 1e-3 lora)")
+    train.add_argument("--steps", type=positive_int, default=30)
+    train.add_argument("--batch-size", type=positive_int, default=8)
+    train.add_argument("--lr", type=positive, default=None,
+                       help="Adam learning rate (default: 3e-3 prompts, 1e-3 lora)")  # fmt: skip
     train.add_argument("--save", default=None, metavar="DIR",
                        help="save the trained prompts, or the LoRA adapter (a PEFT folder), here")  # fmt: skip
     return parser
@@ -173,17 +180,17 @@ def _add_api_parsers(sub: argparse._SubParsersAction) -> None:
     api.add_argument("model", help=f"model name ({DEFAULT_MODEL}), .gguf file or Hugging Face folder")
     api.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="multiaddrs of swarm peers")
     api.add_argument("--host", default="127.0.0.1", help="HTTP interface (default: this machine only)")
-    api.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
+    api.add_argument("--port", type=port, default=8000, help="HTTP port (0: any free port)")
     api.add_argument("--served-model-name", default=None, help="the model's name in the API")
     api.add_argument("--dht-prefix", default=None, help="swarm name (default: derived from the model)")
-    api.add_argument("--max-concurrent", type=int, default=16,
+    api.add_argument("--max-concurrent", type=positive_int, default=16,
                      help="requests generating at once (servers allow 16 sessions per peer by default)")  # fmt: skip
-    api.add_argument("--missing-blocks-timeout", type=float, default=10.0,
+    api.add_argument("--missing-blocks-timeout", type=non_negative, default=10.0,
                      help="seconds a request waits for missing blocks before a 503")  # fmt: skip
     monitor = sub.add_parser("monitor", help="serve the swarm monitor page (no API)")
     monitor.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="multiaddrs of peers")
     monitor.add_argument("--host", default="127.0.0.1", help="HTTP interface (default: this machine only)")
-    monitor.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
+    monitor.add_argument("--port", type=port, default=8000, help="HTTP port (0: any free port)")
     status = sub.add_parser("status", help="print the swarm's models, coverage and servers")
     status.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="multiaddrs of peers")
 
@@ -321,9 +328,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         commands = {"serve": _serve, "dht": _dht, "demo": _demo, "train": _train, "api": _api, "monitor": _monitor,
                     "status": _status, "swarm-key": _new_swarm_key}  # fmt: skip
+        check_arguments(args)
         commands[args.command](args)
     except SwarmError as e:
-        print(f"error: {e}", file=sys.stderr)
+        logger.debug("The error's traceback", exc_info=True)
+        print(f"swarmlm: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import PretrainedConfig
 
+from swarmlm.errors import ConfigError
 from swarmlm.models.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from swarmlm.models.lora import linear_shapes
 from swarmlm.models.registry import ModelFamily
@@ -53,7 +54,7 @@ class LoraTuning(nn.Module):
         try:
             self.layout: LoraLayout = lora_layout(block_shapes(config, family), rank, self.spec.targets)
         except ValueError as e:
-            raise ValueError(f"lora_target_modules {list(targets)} do not fit this model: {e}") from e
+            raise ConfigError(f"lora_target_modules {list(targets)} do not fit this model: {e}") from e
         self.lora_A, self.lora_B = nn.ParameterList(), nn.ParameterList()
         for block in self.layout.modules:
             for _, fan_in, fan_out in block:

@@ -12,6 +12,7 @@ import torch
 from transformers import PretrainedConfig
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from swarmlm.checks import POSITIVE_INT, check_range
 from swarmlm.client.generation import RemoteGenerationMixin, SessionStacks
 from swarmlm.client.head_batching import HeadBatcher
 from swarmlm.client.inference import InferenceSession
@@ -20,7 +21,7 @@ from swarmlm.client.prompts import PromptTuning
 from swarmlm.client.remote_sequential import RemoteSequential, SwarmClient
 from swarmlm.client.trace import RequestTrace
 from swarmlm.config import ClientConfig
-from swarmlm.errors import ModelLoadError
+from swarmlm.errors import ConfigError, ModelLoadError
 from swarmlm.models.fingerprint import model_fingerprint
 from swarmlm.models.loading import load_config, load_tensors, resolve_model
 from swarmlm.models.naming import default_dht_prefix
@@ -77,6 +78,7 @@ class DistributedCausalLMMixin(RemoteGenerationMixin):
         unknown = set(client_options) - known
         if unknown:
             raise TypeError(f"unknown option(s) {sorted(unknown)}; client options are {sorted(known)}")
+        client_config = _client_config(model, initial_peers, swarm_key, client_options)
         model_dir = resolve_model(model, cache_dir=cache_dir)
         config = load_config(model_dir)
         dtype = checkpoint_dtype(config) if (torch_dtype or dtype) == "auto" else (torch_dtype or dtype)
@@ -86,10 +88,6 @@ class DistributedCausalLMMixin(RemoteGenerationMixin):
         distributed_cls = cls if hasattr(cls, "family") else distributed_class(family)
         if distributed_cls.family is not family:
             raise ModelLoadError(f"{cls.__name__} cannot load a {config.model_type!r} model")
-        options = {**client_options, "dht_prefix": client_options.get("dht_prefix") or default_dht_prefix(model)}
-        if swarm_key is not None:
-            options["swarm_key"] = swarm_key if isinstance(swarm_key, bytes) else load_swarm_key(swarm_key)
-        client_config = ClientConfig(initial_peers=tuple(initial_peers), **options)
         with torch.device("meta"):
             instance = distributed_cls(config)
         instance._load_local_parts(model_dir, dtype)
@@ -111,7 +109,7 @@ class DistributedCausalLMMixin(RemoteGenerationMixin):
             )  # fmt: skip
         # only servers of this very checkpoint are used, whatever else is announced under the prefix
         fingerprint = model_fingerprint(model_dir)
-        client = SwarmClient(client_config, options["dht_prefix"], config.num_hidden_layers, fingerprint)
+        client = SwarmClient(client_config, str(client_config.dht_prefix), config.num_hidden_layers, fingerprint)
         instance.model.layers = RemoteSequential(client)
         return instance
 
@@ -259,14 +257,35 @@ class AutoDistributedModelForCausalLM:
         return DistributedCausalLMMixin.from_pretrained(model, **kwargs)
 
 
+def _client_config(
+    model: str | os.PathLike, initial_peers: object, swarm_key: str | os.PathLike | bytes | None,
+    options: dict[str, Any],
+) -> ClientConfig:  # fmt: skip
+    """The client's options, checked (ClientConfig checks its fields) before anything is loaded or started."""
+    if isinstance(initial_peers, str) or not isinstance(initial_peers, list | tuple):
+        raise ConfigError(f"initial_peers must be a list of multiaddrs, not {initial_peers!r}")
+    if not initial_peers:
+        raise ConfigError("initial_peers is empty: give the multiaddrs of some peers of the swarm (`swarmlm serve` "
+                          "and `swarmlm dht` print them: 'Others join with: --initial-peers ...')")  # fmt: skip
+    options = {**options, "dht_prefix": options.get("dht_prefix") or default_dht_prefix(model)}
+    if swarm_key is not None:
+        options["swarm_key"] = swarm_key if isinstance(swarm_key, bytes) else load_swarm_key(swarm_key)
+    return ClientConfig(initial_peers=tuple(initial_peers), **options)
+
+
 def _check_tuning_options(
     mode: str | None, pre_seq_len: int | None, rank: int | None, alpha: int | None, targets: object
 ) -> None:
     """Options of a tuning mode other than the chosen one would be silently ignored: refuse them instead."""
+    if mode not in (None, "ptune", "deep_ptune", "lora"):
+        raise ConfigError(f"tuning_mode must be None, 'ptune', 'deep_ptune' or 'lora', not {mode!r}")
+    for name, value in (("pre_seq_len", pre_seq_len), ("lora_rank", rank), ("lora_alpha", alpha)):
+        if value is not None:
+            check_range(name, value, POSITIVE_INT)
     lora = {"lora_rank": rank, "lora_alpha": alpha, "lora_target_modules": targets}
     stray = [name for name, value in lora.items() if value is not None] if mode != "lora" else []
     if pre_seq_len is not None and mode not in ("ptune", "deep_ptune"):
         stray.append("pre_seq_len")
     if stray:
-        raise ValueError(f"{', '.join(stray)} do(es) not apply to tuning_mode={mode!r}: "
-                         "pre_seq_len is for 'ptune' and 'deep_ptune', lora_* options for 'lora'")  # fmt: skip
+        raise ConfigError(f"{', '.join(stray)} do(es) not apply to tuning_mode={mode!r}: "
+                          "pre_seq_len is for 'ptune' and 'deep_ptune', lora_* options for 'lora'")  # fmt: skip

@@ -17,13 +17,13 @@ from safetensors.torch import load_file
 from torch import nn
 
 from swarmlm.errors import ModelLoadError
+from swarmlm.models.constants import ADAPTER_CONFIG
 
 if TYPE_CHECKING:
     from peft import LoraConfig
 
     from swarmlm.models.span import SpanModel
 
-ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # an adapter is named by its folder; the name travels in records and requests, so it is kept short and plain
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")

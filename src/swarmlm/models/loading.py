@@ -21,6 +21,7 @@ from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from swarmlm.errors import ModelLoadError
+from swarmlm.models.constants import DEFAULT_MODEL
 
 if TYPE_CHECKING:
     # transformers costs seconds to import; it is imported inside the functions that need it so that
@@ -28,8 +29,6 @@ if TYPE_CHECKING:
     import transformers
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_MODEL = "smollm2-135m-instruct"
 
 # Models known by name: name -> (package that carries the GGUF file, file name inside it, pip requirement).
 _KNOWN_MODELS: dict[str, tuple[str, str, str]] = {

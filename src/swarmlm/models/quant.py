@@ -15,12 +15,12 @@ import torch.nn.functional as F  # noqa: N812 - the usual name
 from torch import nn
 
 from swarmlm.errors import SwarmError
+from swarmlm.models.constants import QUANT_MODES
 
 # the largest magnitude of a signed 8-bit value: each row's largest |weight| maps to it
 _INT8_MAX = 127.0
 # weights per nf4 scale: bitsandbytes' default (QLoRA's choice); 4.5 bits per weight with a float32 scale
 NF4_BLOCKSIZE = 64
-QUANT_MODES = ("int8", "nf4")
 
 
 class Int8Linear(nn.Module):

@@ -15,6 +15,7 @@ from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
 from swarmlm import __version__
+from swarmlm.checks import check_device
 from swarmlm.config import ServerConfig
 from swarmlm.errors import SwarmError
 from swarmlm.models.adapters import adapter_name, load_adapters
@@ -61,6 +62,7 @@ class Server:
         if config.decode_wait_s < 0:
             raise SwarmError(f"--decode-wait-ms must be 0 or more, not {config.decode_wait_s * 1000:g}")
         check_relay_maddrs(config.relays)
+        check_device(config.device)  # torch would fail only once the blocks load, obscurely
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         # the catalog shows the model by name, never by where it lies on this machine

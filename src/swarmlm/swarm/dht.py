@@ -5,16 +5,18 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import re
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import hivemind
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.p2p import P2P, P2PDaemonError, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
-from swarmlm.errors import SwarmError
+from swarmlm.checks import check_can_listen, check_ip_host, check_peer_maddrs
+from swarmlm.errors import SwarmError, UnreachablePeersError
 from swarmlm.swarm.identity import PeerIdSignatureValidator, temporary_identity_file
 from swarmlm.swarm.private import SwarmKeyValidator
 from swarmlm.utils.processes import kill_group_when_orphaned
@@ -26,6 +28,8 @@ logger = logging.getLogger(__name__)
 BOOTSTRAP_ATTEMPTS = 3
 BOOTSTRAP_RETRY_S = 2.0
 BOOTSTRAP_FAILURE = "failed to connect to bootstrap peers"
+# how hivemind words a p2pd that exits at start: "Daemon failed to start: 2026/01/02 10:11:12 <what p2pd said>"
+_DAEMON_PREFIX = re.compile(r"^Daemon failed to start:\s*(\d{4}/\d\d/\d\d \d\d:\d\d:\d\d\s*)?")
 
 
 class ParentBoundDHT(hivemind.DHT):
@@ -92,6 +96,9 @@ def start_dht(
     NAT or a firewall): it keeps a reservation on each and is dialled through them (relay_circuit), in addition to
     announce_maddrs. relay_service: this node relays for such nodes (it must itself be reachable by everyone).
     """
+    check_peer_maddrs(initial_peers, "initial peers")
+    check_ip_host(host, "host")
+    check_can_listen(host, port, "port", "host")  # p2pd would share a taken port (see check_can_listen)
     ip = "ip6" if ":" in host else "ip4"
     kwargs: dict[str, object] = {}
     traversal = not _is_loopback_host(host) if nat_traversal is None else nat_traversal
@@ -108,40 +115,71 @@ def start_dht(
         kwargs["announce_maddrs"] = list(announce_maddrs)
     key = key or Ed25519PrivateKey.generate()
     identity_path = temporary_identity_file(key)
+
+    def make() -> ParentBoundDHT:
+        dht = ParentBoundDHT(
+            initial_peers=list(initial_peers),
+            host_maddrs=[f"/{ip}/{host}/tcp/{port}"],
+            client_mode=client_mode,
+            start=False,
+            record_validators=[PeerIdSignatureValidator(key)] + ([SwarmKeyValidator(swarm_key)] if swarm_key else []),
+            identity_path=str(identity_path),
+            # hivemind's "is this identity taken" check parses RSA keys only; a fresh random key is never taken
+            check_if_identity_free=False,
+            **kwargs,
+        )
+        dht._bound_parent_pid = os.getpid()
+        dht._static_relays = bool(relays)
+        return dht
+
     try:
-        for attempt in range(1, BOOTSTRAP_ATTEMPTS + 1):
-            dht = ParentBoundDHT(
-                initial_peers=list(initial_peers),
-                host_maddrs=[f"/{ip}/{host}/tcp/{port}"],
-                client_mode=client_mode,
-                start=False,
-                record_validators=[PeerIdSignatureValidator(key)]
-                + ([SwarmKeyValidator(swarm_key)] if swarm_key else []),
-                identity_path=str(identity_path),
-                # hivemind's "is this identity taken" check parses RSA keys only; a fresh random key is never taken
-                check_if_identity_free=False,
-                **kwargs,
-            )
-            dht._bound_parent_pid = os.getpid()
-            dht._static_relays = bool(relays)
-            try:
-                dht.run_in_background(await_ready=True)
-                break
-            except P2PDaemonError as e:
-                # p2pd gives up when no initial peer answers within its own timeout: one that is restarting, or
-                # slow to accept under load, is tried again a few times before this node gives up too
-                if BOOTSTRAP_FAILURE not in str(e) or attempt == BOOTSTRAP_ATTEMPTS:
-                    raise
-                logger.warning("No initial peer answered (attempt %d of %d); trying again in %.0f s",
-                               attempt, BOOTSTRAP_ATTEMPTS, BOOTSTRAP_RETRY_S * attempt)  # fmt: skip
-                dht.join(timeout=5)
-                if dht.is_alive():
-                    dht.terminate()
-                time.sleep(BOOTSTRAP_RETRY_S * attempt)
+        return _start_joined(make, initial_peers)
     finally:
         # p2pd has read the key once it runs; the key stays only in this process and the DHT's
         shutil.rmtree(identity_path.parent, ignore_errors=True)
-    return dht
+
+
+def _start_joined(make: Callable[[], ParentBoundDHT], initial_peers: Sequence[str]) -> ParentBoundDHT:
+    """Start a node made by `make`, again a few times while no initial peer answers; raise SwarmError (its subclass
+    UnreachablePeersError when no peer ever answered) with nothing left running when it does not start."""
+    began, attempt = time.monotonic(), 1
+    while True:
+        dht = make()
+        try:
+            dht.run_in_background(await_ready=True)
+            return dht
+        except P2PDaemonError as e:
+            _stop_failed(dht)
+            reason = _daemon_reason(e)
+            if BOOTSTRAP_FAILURE not in reason:
+                raise SwarmError(f"the p2p daemon (p2pd) did not start: {reason}") from e
+            if attempt == BOOTSTRAP_ATTEMPTS:
+                raise UnreachablePeersError(
+                    f"none of the initial peers answered ({attempt} tries in {time.monotonic() - began:.0f} s): "
+                    f"{' '.join(initial_peers)}. Check that they are running, that the addresses are current (a "
+                    "restarted node has a new port unless given --port, and a new peer id unless given --identity), "
+                    "and that this machine can reach them"
+                ) from e
+        # p2pd gives up when no initial peer answers within its own timeout: one that is restarting, or slow to
+        # accept under load, is tried again a few times before this node gives up too
+        logger.warning("No initial peer answered (attempt %d of %d); trying again in %.0f s",
+                       attempt, BOOTSTRAP_ATTEMPTS, BOOTSTRAP_RETRY_S * attempt)  # fmt: skip
+        time.sleep(BOOTSTRAP_RETRY_S * attempt)
+        attempt += 1
+
+
+def _stop_failed(dht: ParentBoundDHT) -> None:
+    """Wait for the child of a node that did not start to exit, or end it (ParentBoundDHT's SIGTERM takes its whole
+    process group, p2pd included)."""
+    dht.join(timeout=5)
+    if dht.is_alive():
+        dht.terminate()
+        dht.join(timeout=5)
+
+
+def _daemon_reason(error: P2PDaemonError) -> str:
+    """p2pd's own words from hivemind's error, without the prefix and p2pd's timestamp."""
+    return _DAEMON_PREFIX.sub("", str(error)).strip()
 
 
 def check_announce_maddrs(maddrs: Sequence[str], flag: str = "--announce-maddrs") -> None:
@@ -158,13 +196,14 @@ def check_announce_maddrs(maddrs: Sequence[str], flag: str = "--announce-maddrs"
 
 
 def check_relay_maddrs(maddrs: Sequence[str]) -> None:
-    """Raise SwarmError unless every relay address has an explicit port and ends with the relay's /p2p/<peer id>."""
+    """Raise SwarmError unless every relay address is a peer's multiaddr (ending with the relay's /p2p/<peer id>)
+    with an explicit port, and not itself a relayed address."""
+    check_peer_maddrs(maddrs, "--relay")
     for maddr in maddrs:
-        head, _, peer = str(maddr).rpartition("/p2p/")
-        if not head or "/" in peer or "p2p-circuit" in head:
-            raise SwarmError(f"--relay: {maddr!r} must end with the relay's peer id, as in "
+        if "p2p-circuit" in maddr:
+            raise SwarmError(f"--relay: {maddr!r} is a relayed address; give the relay's own, as in "
                              "/ip4/203.0.113.7/tcp/31337/p2p/12D3KooW...")  # fmt: skip
-        check_announce_maddrs([maddr], "--relay")  # also rejects a malformed peer id
+        check_announce_maddrs([maddr], "--relay")  # also parses the transport parts and the peer id
 
 
 def relay_circuit(relay: str) -> str:

