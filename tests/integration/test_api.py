@@ -37,9 +37,13 @@ def tokenizer(smollm_dir: Path) -> Any:
 
 
 @pytest.fixture(scope="module")
-def local_answer(smollm_dir: Path, tokenizer: Any) -> Any:
+def reference(smollm_dir: Path) -> torch.nn.Module:
+    return load_reference(smollm_dir)
+
+
+@pytest.fixture(scope="module")
+def local_answer(reference: torch.nn.Module, tokenizer: Any) -> Any:
     """Local greedy generation of the same model: (text, finish reason, tokens) of a conversation or a raw prompt."""
-    reference = load_reference(smollm_dir)
     cache: dict[tuple[str, bool, int], tuple[str, str, int]] = {}
 
     def answer(text: str, chat: bool = True, new_tokens: int = NEW_TOKENS) -> tuple[str, str, int]:
@@ -268,3 +272,90 @@ def test_the_api_serves_the_monitor_with_its_own_route(api_url: str, client: ope
     assert [(hop["start"], hop["end"]) for hop in route] == [(0, 15), (15, 30)]
     with urllib.request.urlopen(f"{api_url}/", timeout=30) as response:
         assert b"monitor.js" in response.read()
+
+
+def local_logprobs(reference: torch.nn.Module, prompt: list[int], new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """Local greedy tokens after `prompt` and the log-softmax of the logits that chose each, (tokens, vocab)."""
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = reference.generate(ids, max_new_tokens=new_tokens, do_sample=False)
+        logits = reference(out).logits[0, len(prompt) - 1 : -1]
+    return out[0, len(prompt) :].tolist(), torch.log_softmax(logits.float(), dim=-1)
+
+
+def check_against(logprobs: list[float], tops: list[list[tuple[str, float]]], tokens: list[int],
+                  local: torch.Tensor, count: int) -> None:  # fmt: skip
+    """The swarm's greedy tokens' log-probabilities and alternatives equal the local model's to 1e-4."""
+    assert len(logprobs) == len(tops) == len(tokens)
+    for place, (logprob, top, token) in enumerate(zip(logprobs, tops, tokens, strict=True)):
+        assert abs(logprob - local[place, token].item()) < 1e-4
+        values = [value for _, value in top]
+        assert len(top) == count and values == sorted(values, reverse=True)
+        expected = local[place].topk(count).values.tolist()
+        assert max((abs(a - b) for a, b in zip(values, expected, strict=True)), default=0.0) < 1e-4
+        if count:
+            assert values[0] == pytest.approx(logprob, abs=1e-6)  # greedy: the chosen token is the likeliest
+
+
+def test_chat_logprobs_equal_the_local_models_streamed_or_not(
+    client: openai.OpenAI, reference: torch.nn.Module, tokenizer: Any
+) -> None:
+    question = QUESTIONS[0]
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                           return_dict=True)["input_ids"]  # fmt: skip
+    tokens, local = local_logprobs(reference, list(prompt), NEW_TOKENS)
+    tokens = [token for token in tokens if token != tokenizer.eos_token_id]  # the end of the answer has no entry
+    reply = ask(client, question, logprobs=True, top_logprobs=5)
+    content = reply.choices[0].logprobs.content
+    assert b"".join(bytes(entry.bytes) for entry in content).decode() == reply.choices[0].message.content
+    assert [entry.token for entry in content] == [bytes(entry.bytes).decode() for entry in content]
+    tops = [[(top.token, top.logprob) for top in entry.top_logprobs] for entry in content]
+    check_against([entry.logprob for entry in content], tops, tokens, local, 5)
+    streamed = [chunk for chunk in ask(client, question, logprobs=True, top_logprobs=2, stream=True)]
+    entries = [entry for chunk in streamed if chunk.choices and chunk.choices[0].logprobs
+               for entry in chunk.choices[0].logprobs.content]  # fmt: skip
+    tops = [[(top.token, top.logprob) for top in entry.top_logprobs] for entry in entries]
+    check_against([entry.logprob for entry in entries], tops, tokens, local, 2)
+    assert ask(client, question).choices[0].logprobs is None  # not asked for
+
+
+def test_completion_logprobs_equal_the_local_models_streamed_or_not(
+    client: openai.OpenAI, reference: torch.nn.Module, tokenizer: Any
+) -> None:
+    prompt = "The three largest cities of Germany are"
+    tokens, local = local_logprobs(reference, tokenizer(prompt).input_ids, NEW_TOKENS)
+    reply = client.completions.create(model=NAME, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0, logprobs=3)
+    lists, text = reply.choices[0].logprobs, reply.choices[0].text
+    assert "".join(lists.tokens) == text
+    assert lists.text_offset == [len("".join(lists.tokens[:place])) for place in range(len(lists.tokens))]
+    tops = [sorted(top.items(), key=lambda item: -item[1]) for top in lists.top_logprobs]
+    assert [top[0][0] for top in tops] == lists.tokens  # greedy: each chosen token is the likeliest of its place
+    check_against(lists.token_logprobs, tops, tokens, local, 3)
+    streamed = client.completions.create(model=NAME, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0, logprobs=1,
+                                         stream=True)  # fmt: skip
+    parts = [chunk.choices[0].logprobs for chunk in streamed if chunk.choices[0].logprobs]
+    assert [offset for part in parts for offset in part.text_offset] == lists.text_offset
+    tops = [list(top.items()) for part in parts for top in part.top_logprobs]
+    check_against([value for part in parts for value in part.token_logprobs], tops, tokens, local, 1)
+
+
+UNSUPPORTED = [
+    ("chat", {"frequency_penalty": 0.5}, "frequency_penalty"),
+    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {"top_logprobs": 3}, "top_logprobs"),  # without logprobs=True
+    ("chat", {"extra_body": {"top_k": 5}}, "top_k"),  # no OpenAI field at all
+    ("completions", {"suffix": "world"}, "suffix"),
+    ("completions", {"logprobs": 6}, "logprobs"),  # OpenAI's limit is 5
+]
+
+
+@pytest.mark.parametrize(("endpoint", "options", "param"), UNSUPPORTED)
+def test_a_field_the_server_does_not_implement_gets_a_400_naming_it(
+    client: openai.OpenAI, endpoint: str, options: dict[str, Any], param: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as error:
+        if endpoint == "chat":
+            ask(client, QUESTIONS[0], max_tokens=2, **options)
+        else:
+            client.completions.create(model=NAME, prompt="Hello", max_tokens=2, **options)
+    assert error.value.param == param and param in error.value.message

@@ -1,4 +1,5 @@
-"""The API's pure pieces: text deltas with stop strings, sampling, request validation, and the monitor's coverage."""
+"""The API's pure pieces: text deltas with stop strings, sampling, log-probabilities, request validation, and the
+monitor's coverage."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import json
 
 import pytest
 import torch
+from tokenizers import decoders
 
-from swarmlm.api.engine import ChoiceText, SamplingParams, next_tokens
+from swarmlm.api.engine import ChoiceText, SamplingParams, TokenLogprob, next_tokens, token_logprobs
+from swarmlm.api.logprobs import TokenNames, chat_content, completion_lists
 from swarmlm.api.monitor import describe_model, format_status, ranges
 from swarmlm.api.schemas import ApiError, ChatRequest, CompletionRequest, parse_body
 from swarmlm.swarm.records import ServerRecord, ServerState
@@ -117,3 +120,87 @@ def test_coverage_counts_only_online_servers_that_answer() -> None:
 
 def test_ranges() -> None:
     assert ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8" and ranges([]) == ""
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"logit_bias": {"5": 10}}, "logit_bias"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"top_k": 5}, "top_k"),  # not OpenAI's at all
+        ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"stream_options": {"include_obfuscation": True}}, "stream_options.include_obfuscation"),
+        ({"messages": [{"role": "user", "content": "x", "name": "bob"}]}, "messages.0.name"),
+    ],
+)
+def test_fields_the_server_does_not_implement_are_refused_by_name(body: dict, param: str) -> None:
+    request = {"model": "m", "messages": [{"role": "user", "content": "x"}], **body}
+    with pytest.raises(ApiError) as error:
+        parse_body(json.dumps(request).encode(), ChatRequest)
+    assert error.value.status == 400 and error.value.param == param and param.split(".")[-1] in error.value.message
+
+
+def test_fields_at_values_that_ask_for_nothing_are_accepted() -> None:
+    reply = {"role": "assistant", "content": "a", "refusal": None, "tool_calls": None, "audio": None}  # as received
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}, reply], "frequency_penalty": 0,
+            "presence_penalty": 0.0, "logit_bias": {}, "tools": [], "response_format": {"type": "text"},
+            "user": "someone", "store": False, "logprobs": True, "top_logprobs": 2}  # fmt: skip
+    assert parse_body(json.dumps(body).encode(), ChatRequest).logprob_count() == 2
+    completion = {"model": "m", "prompt": "x", "echo": False, "best_of": 1, "suffix": None, "logprobs": 0}
+    assert parse_body(json.dumps(completion).encode(), CompletionRequest).logprob_count() == 0
+    for field, value in (("logprobs", 6), ("suffix", "end"), ("best_of", 2)):
+        with pytest.raises(ApiError) as error:
+            parse_body(json.dumps({**completion, field: value}).encode(), CompletionRequest)
+        assert error.value.param == field
+
+
+def test_token_logprobs_are_the_models_log_softmax_with_sorted_alternatives() -> None:
+    logits = torch.tensor([[0.0, 5.0, 4.9, -3.0], [1.0, 1.5, 2.0, 0.0]])
+    chosen = torch.tensor([2, 3])
+    assert token_logprobs(logits, chosen, None) is None
+    rows = token_logprobs(logits, chosen, 3)
+    assert rows is not None
+    expected = torch.log_softmax(logits, -1)
+    for row, (logprob, top) in enumerate(rows):
+        assert logprob == pytest.approx(expected[row, chosen[row]].item())
+        assert [token for token, _ in top] == expected[row].argsort(descending=True)[:3].tolist()
+        assert [value for _, value in top] == sorted((value for _, value in top), reverse=True)
+    assert [top for _, top in token_logprobs(logits, chosen, 0) or []] == [(), ()]
+
+
+class PiecesTokenizer:
+    """convert_ids_to_tokens of a byte-level BPE tokenizer, or of a SentencePiece one."""
+
+    def __init__(self, byte_level: bool = True):
+        decoder = decoders.ByteLevel() if byte_level else decoders.Metaspace()
+        self.backend_tokenizer = type("Backend", (), {"decoder": decoder})()
+        self.pieces = ["Ġw", "Ã©", "æ", "Ċ", "<|im_end|>"] if byte_level else ["▁the", "<0xE2>", "é"]
+
+    def convert_ids_to_tokens(self, token: int) -> str:
+        return self.pieces[token]
+
+
+def test_token_names_give_raw_bytes_and_text() -> None:
+    names = TokenNames(PiecesTokenizer())
+    assert [names.bytes_of(t) for t in range(4)] == [b" w", "é".encode(), b"\xe6", b"\n"]
+    assert names.text_of(1) == "é" and names.text_of(2) == "\ufffd" and names.text_of(4) == "<|im_end|>"
+    sentencepiece = TokenNames(PiecesTokenizer(byte_level=False))
+    assert [sentencepiece.bytes_of(t) for t in range(3)] == [b" the", b"\xe2", "é".encode()]
+    entry = TokenLogprob(0, -0.5, ((0, -0.5), (1, -1.5)), 7)
+    chat = chat_content([entry], names)["content"][0]
+    assert chat == {"token": " w", "logprob": -0.5, "bytes": [32, 119], "top_logprobs": [
+        {"token": " w", "logprob": -0.5, "bytes": [32, 119]}, {"token": "é", "logprob": -1.5, "bytes": [195, 169]}]}
+    assert completion_lists([TokenLogprob(3, -2.0, ((0, -0.5),), 4)], names) == {
+        "tokens": ["\n"], "token_logprobs": [-2.0], "top_logprobs": [{" w": -0.5, "\n": -2.0}], "text_offset": [4]}
+
+
+def test_choice_text_knows_where_each_token_begins() -> None:
+    choice = ChoiceText(PieceTokenizer(), (), frozenset([EOS]))
+    offsets = []
+    for token in [1, 2, 3, 4]:
+        offsets.append(choice.decoded)
+        choice.add(token)
+    assert offsets == [0, 3, 5, 9]

@@ -11,13 +11,14 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from importlib import resources
 from typing import Any
 
 from aiohttp import web
 
-from swarmlm.api.engine import ContextTooLongError, Delta, Engine, SamplingParams, Usage
+from swarmlm.api.engine import ContextTooLongError, Delta, Engine, SamplingParams, TokenLogprob, Usage
+from swarmlm.api.logprobs import TokenNames, chat_content, completion_lists
 from swarmlm.api.monitor import Monitor
 from swarmlm.api.schemas import ApiError, ChatRequest, CompletionRequest, _Request, parse_body
 from swarmlm.errors import BadRequestError, MissingBlocksError, SwarmError
@@ -69,6 +70,7 @@ class Routes:
     def __init__(self, engine: Engine | None, model_names: tuple[str, ...], monitor: Monitor):
         self.engine, self.model_names, self.monitor = engine, model_names, monitor
         self.created = int(time.time())
+        self.names = None if engine is None else TokenNames(engine.tokenizer)
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[openai_errors], client_max_size=MAX_BODY_BYTES)
@@ -127,8 +129,11 @@ class Routes:
             raise ApiError(400, str(e), param="messages" if chat else "prompt", code="context_length_exceeded") from e
         except ValueError as e:
             raise ApiError(400, str(e)) from e
-        params = SamplingParams(max_new_tokens, body.temperature, body.top_p, body.stop_strings(), body.seed, body.n)
-        reply = Reply(chat, body.model, body.n, body.include_usage())
+        logprobs = body.logprob_count()
+        params = SamplingParams(max_new_tokens, body.temperature, body.top_p, body.stop_strings(), body.seed, body.n,
+                                logprobs)  # fmt: skip
+        names = self.names if logprobs is not None else None
+        reply = Reply(chat, body.model, body.n, body.include_usage(), names)
         usage: list[Usage] = []
         async with contextlib.aclosing(engine.stream(prompt, params, usage)) as deltas:
             try:
@@ -143,6 +148,7 @@ class Routes:
         self, reply: Reply, first: Delta | None, deltas: AsyncGenerator[Delta], usage: list[Usage]
     ) -> web.Response:
         texts, reasons = [""] * reply.n, list[str | None]([None] * reply.n)
+        logprobs: list[list[TokenLogprob]] = [[] for _ in range(reply.n)]
         try:
             rest = [delta async for delta in deltas]
         except Exception as e:  # noqa: BLE001 - mapped to its HTTP status
@@ -150,7 +156,8 @@ class Routes:
         for delta in ([first] if first else []) + rest:
             texts[delta.index] += delta.text
             reasons[delta.index] = delta.finish_reason or reasons[delta.index]
-        return web.json_response(reply.whole(texts, reasons, usage[0] if usage else Usage(0, 0)))
+            logprobs[delta.index] += delta.logprobs
+        return web.json_response(reply.whole(texts, reasons, usage[0] if usage else Usage(0, 0), logprobs))
 
     async def _stream(
         self,
@@ -187,8 +194,9 @@ async def _send(response: web.StreamResponse, data: dict[str, Any]) -> None:
 class Reply:
     """The JSON bodies of one request's answer, in the shape of its endpoint."""
 
-    def __init__(self, chat: bool, model: str, n: int, include_usage: bool):
+    def __init__(self, chat: bool, model: str, n: int, include_usage: bool, names: TokenNames | None = None):
         self.chat, self.model, self.n, self.include_usage = chat, model, n, include_usage
+        self.names = names  # set when the request asked for log-probabilities
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
@@ -206,8 +214,14 @@ class Reply:
         return [self._envelope([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
                                  "logprobs": None}], chunk=True) for i in range(self.n)]  # fmt: skip
 
+    def _logprobs(self, entries: Sequence[TokenLogprob]) -> dict[str, Any] | None:
+        if self.names is None:
+            return None
+        return chat_content(entries, self.names) if self.chat else completion_lists(entries, self.names)
+
     def chunk(self, delta: Delta) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": delta.index, "finish_reason": delta.finish_reason, "logprobs": None}
+        logprobs = self._logprobs(delta.logprobs) if delta.logprobs else None
+        choice: dict[str, Any] = {"index": delta.index, "finish_reason": delta.finish_reason, "logprobs": logprobs}
         if self.chat:
             choice["delta"] = {"content": delta.text} if delta.text else {}
         else:
@@ -217,10 +231,12 @@ class Reply:
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         return {**self._envelope([], chunk=True), "usage": _usage(usage)}
 
-    def whole(self, texts: list[str], reasons: list[str | None], usage: Usage) -> dict[str, Any]:
+    def whole(
+        self, texts: list[str], reasons: list[str | None], usage: Usage, logprobs: list[list[TokenLogprob]]
+    ) -> dict[str, Any]:
         choices = []
-        for index, (text, reason) in enumerate(zip(texts, reasons, strict=True)):
-            choice: dict[str, Any] = {"index": index, "finish_reason": reason, "logprobs": None}
+        for index, (text, reason, entries) in enumerate(zip(texts, reasons, logprobs, strict=True)):
+            choice: dict[str, Any] = {"index": index, "finish_reason": reason, "logprobs": self._logprobs(entries)}
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:

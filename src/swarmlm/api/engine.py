@@ -41,15 +41,29 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # the text ends before the first of these
     seed: int | None = None  # same seed, same request: same text
     n: int = 1  # choices, generated as the rows of one session
+    logprobs: int | None = None  # None: no log-probabilities; k: each token's, with its k most likely alternatives
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model (its logits' log-softmax, whatever the temperature),
+    and the most likely tokens at its place, most likely first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token, log-probability)
+    text_offset: int  # characters of the choice's text before this token
 
 
 @dataclass(frozen=True)
 class Delta:
-    """New text of one choice; finish_reason ("stop" or "length") on its last delta."""
+    """New text of one choice; finish_reason ("stop" or "length") on its last delta; the log-probabilities of the
+    tokens generated since the previous delta (when asked for; the end-of-sequence token has none)."""
 
     index: int
     text: str
     finish_reason: str | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -78,6 +92,7 @@ class ChoiceText:
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.tokens: list[int] = []
         self.emitted = 0  # characters of the text already handed out
+        self.decoded = 0  # characters of the whole text decoded so far (where the next token's text begins)
         self.finish_reason: str | None = None
 
     def add(self, token: int) -> str:
@@ -103,7 +118,9 @@ class ChoiceText:
         return self._flush(self._text())
 
     def _text(self) -> str:
-        return self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        text: str = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        self.decoded = len(text)
+        return text
 
     def _flush(self, text: str) -> str:
         new, self.emitted = text[self.emitted :], len(text)
@@ -122,6 +139,25 @@ def next_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.G
         sorted_probs[drop] = 0.0
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def token_logprobs(
+    logits: torch.Tensor, chosen: torch.Tensor, top: int | None
+) -> list[tuple[float, tuple[tuple[int, float], ...]]] | None:
+    """Per row of (rows, vocab) logits: the chosen token's log-probability and the `top` most likely (token,
+    log-probability), most likely first; None when top is None (not asked for). The model's distribution, before
+    temperature and top_p (which only shape the sampling)."""
+    if top is None:
+        return None
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # (rows, vocab)
+    picked = logprobs.gather(-1, chosen[:, None].to(logprobs.device))[:, 0].tolist()
+    best = logprobs.topk(min(top, logprobs.shape[-1]), dim=-1) if top else None  # sorted, most likely first
+    rows = []
+    for row, logprob in enumerate(picked):
+        alternatives = () if best is None else tuple(zip(best.indices[row].tolist(), best.values[row].tolist(),
+                                                         strict=True))  # fmt: skip
+        rows.append((logprob, alternatives))
+    return rows
 
 
 _END = object()
@@ -240,6 +276,7 @@ class Engine:
     ) -> None:
         generator = torch.Generator().manual_seed(random.getrandbits(63) if params.seed is None else params.seed)
         choices = [ChoiceText(self.tokenizer, params.stop, self.eos_ids) for _ in range(params.n)]
+        pending: list[list[TokenLogprob]] = [[] for _ in range(params.n)]  # per choice, not yet in a delta
         ids = torch.tensor([prompt] * params.n, dtype=torch.long)  # (n, tokens)
         with self.model.inference_session(max_length=len(prompt) + params.max_new_tokens) as session:
             for _ in range(params.max_new_tokens):
@@ -250,18 +287,24 @@ class Engine:
                     stats["first"] = time.perf_counter()
                     self.route = [(span.peer_id, span.start, span.end) for span in session.route]
                 chosen = next_tokens(logits, params, generator)
+                scored = token_logprobs(logits, chosen, params.logprobs)
                 for index, choice in enumerate(choices):
                     if choice.finish_reason is None:
                         stats["tokens"] += 1
-                        text = choice.add(int(chosen[index]))
+                        token = int(chosen[index])
+                        if scored is not None and token not in self.eos_ids:
+                            logprob, top = scored[index]
+                            pending[index].append(TokenLogprob(token, logprob, top, choice.decoded))
+                        text = choice.add(token)
                         if text or choice.finish_reason:
-                            emit(Delta(index, text, choice.finish_reason))
+                            emit(Delta(index, text, choice.finish_reason, tuple(pending[index])))
+                            pending[index].clear()
                 if all(choice.finish_reason for choice in choices):
                     break
                 ids = torch.cat([ids, chosen[:, None]], dim=1)
         for index, choice in enumerate(choices):
             if choice.finish_reason is None:
-                emit(Delta(index, choice.finish("length"), "length"))
+                emit(Delta(index, choice.finish("length"), "length", tuple(pending[index])))
         emit(Usage(len(prompt), stats["tokens"]))
 
     def close(self) -> None:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 # OpenAI accepts at most this many stop strings
 MAX_STOP_STRINGS = 4
@@ -33,11 +33,59 @@ class ApiError(Exception):
         return web.json_response(self.body(), status=self.status)
 
 
-class _Request(BaseModel):
-    """Fields both endpoints share. Unknown fields are ignored (clients send many optional ones); the fields used
-    here are checked strictly."""
+# chat: most likely alternatives reported per token at most (OpenAI's top_logprobs limit)
+MAX_TOP_LOGPROBS = 20
+# completions: most likely alternatives reported per token at most (OpenAI's logprobs limit)
+MAX_COMPLETION_LOGPROBS = 5
 
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+class FieldError(ValueError):
+    """A request field this server refuses (a feature it does not implement, or a value that contradicts another
+    field): `field` is its name within the object that holds it, the message says what is wrong after the name."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+def refuse_unsupported(data: Any, unsupported: dict[str, tuple[Any, ...]]) -> Any:
+    """`data` without the fields OpenAI defines but this server does not implement, when each has a value that asks
+    for nothing (null, 0, false, empty); any other value of such a field raises FieldError naming it."""
+    if not isinstance(data, dict):
+        return data
+    for name, neutral in unsupported.items():
+        if name in data and data[name] not in neutral:
+            raise FieldError(name, f"is not supported by this server (only {_shown(neutral)})")
+    return {key: value for key, value in data.items() if key not in unsupported}
+
+
+def _shown(neutral: tuple[Any, ...]) -> str:
+    return " or ".join(json.dumps(value) for value in neutral)
+
+
+class _Strict(BaseModel):
+    """Unknown fields are refused by name: a field silently ignored would change the answer without a word."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    # OpenAI's fields this server does not implement, with the values that ask for nothing (accepted, dropped)
+    UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unsupported(cls, data: Any) -> Any:
+        return refuse_unsupported(data, cls.UNSUPPORTED)
+
+
+class StreamOptions(_Strict):
+    UNSUPPORTED = {"include_obfuscation": (None, False)}
+
+    include_usage: bool | None = None
+
+
+class _Request(_Strict):
+    """Fields both endpoints share, checked strictly."""
+
+    UNSUPPORTED = {"frequency_penalty": (None, 0), "presence_penalty": (None, 0), "logit_bias": (None, {})}
 
     model: str = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
@@ -47,7 +95,8 @@ class _Request(BaseModel):
     stop: str | list[str] | None = None
     seed: int | None = None
     stream: bool = False
-    stream_options: dict[str, Any] | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # a label of the end user for OpenAI's abuse monitoring: accepted, unused
 
     @field_validator("stop")
     @classmethod
@@ -63,21 +112,26 @@ class _Request(BaseModel):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
     def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.get("include_usage"))
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def logprob_count(self) -> int | None:
+        """None: no log-probabilities; k: each token's, with its k most likely alternatives."""
+        return None
 
 
 RequestT = TypeVar("RequestT", bound=_Request)
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class TextPart(_Strict):
     type: Literal["text"]
     text: str
 
 
-class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class Message(_Strict):
+    # what a reply's message carries besides its text (clients send replies back as they got them) and what only
+    # tools use; text-only messages have these empty
+    UNSUPPORTED = {"name": (None,), "refusal": (None,), "tool_calls": (None, []), "function_call": (None,),
+                   "audio": (None,), "annotations": (None, []), "tool_call_id": (None,)}  # fmt: skip
 
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
@@ -88,17 +142,44 @@ class Message(BaseModel):
 
 
 class ChatRequest(_Request):
+    UNSUPPORTED = {
+        **_Request.UNSUPPORTED,
+        "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+        "parallel_tool_calls": (None, True, False),  # without tools it means nothing
+        "response_format": (None, {"type": "text"}), "modalities": (None, ["text"]), "audio": (None,),
+        "prediction": (None,), "reasoning_effort": (None,), "verbosity": (None,), "web_search_options": (None,),
+        "service_tier": (None, "auto", "default"), "store": (None, False), "moderation": (None,),
+        "prompt_cache_retention": (None,), "prompt_cache_options": (None,),
+    }  # fmt: skip
+
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    # labels of the request for OpenAI's own bookkeeping (abuse monitoring, stored completions, its prompt cache):
+    # accepted, unused
+    safety_identifier: str | None = None
+    metadata: dict[str, str] | None = None
+    prompt_cache_key: str | None = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise FieldError("top_logprobs", "needs 'logprobs': true")
+        return self
 
     def new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 class CompletionRequest(_Request):
+    UNSUPPORTED = {**_Request.UNSUPPORTED, "echo": (None, False), "best_of": (None, 1), "suffix": (None, "")}
+
     prompt: str | list[str]
-    echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     # the completions endpoint generates 16 tokens unless told otherwise
     max_tokens: int | None = Field(default=16, ge=1)
 
@@ -109,22 +190,11 @@ class CompletionRequest(_Request):
             raise ValueError("give one prompt (a string, or a list of one string)")
         return prompt
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, echo: bool) -> bool:
-        if echo:
-            raise ValueError("echo is not supported")
-        return echo
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, logprobs: int | None) -> int | None:
-        if logprobs is not None:
-            raise ValueError("logprobs are not supported")
-        return logprobs
-
     def text(self) -> str:
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+    def logprob_count(self) -> int | None:
+        return self.logprobs
 
 
 def parse_body(raw: bytes, schema: type[RequestT]) -> RequestT:
@@ -139,5 +209,12 @@ def parse_body(raw: bytes, schema: type[RequestT]) -> RequestT:
         return schema.model_validate(data)
     except ValidationError as e:
         first = e.errors()[0]
-        param = ".".join(str(part) for part in first["loc"]) or None
+        where = [str(part) for part in first["loc"]]
+        refused = first.get("ctx", {}).get("error")
+        if isinstance(refused, FieldError):  # raised by a validator of the object holding the field
+            named = ".".join([*where, refused.field])
+            raise ApiError(400, f"'{named}' {refused}", param=named) from e
+        param = ".".join(where) or None
+        if first["type"] == "extra_forbidden":
+            raise ApiError(400, f"Unrecognized request argument supplied: {param}", param=param) from e
         raise ApiError(400, f"Invalid value for '{param}': {first['msg']}", param=param) from e
