@@ -8,8 +8,9 @@ import time
 from typing import Any
 
 import torch
-from transformers import TextStreamer
+from transformers.generation.streamers import BaseStreamer
 
+from swarmlm.client.inference import InferenceSession
 from swarmlm.client.model import AutoDistributedModelForCausalLM, DistributedCausalLMMixin
 from swarmlm.local_swarm import start_even_swarm
 from swarmlm.models.loading import load_config, load_tokenizer, resolve_model
@@ -64,49 +65,110 @@ def _serve_api(model: str, initial_peers: list[str], port: int) -> None:
     run_api(ApiOptions(model=model, initial_peers=tuple(initial_peers), port=port))
 
 
-# tokenizers are typed Any: the methods of transformers' tokenizers return unions that depend on their flags
+class _AnswerPrinter(BaseStreamer):
+    """generate()'s streamer: prints the answer as its tokens arrive and keeps them, so that an interrupted answer
+    is known as far as it was shown."""
+
+    def __init__(self, tokenizer: Any):  # tokenizers are typed Any: their methods return unions of their flags
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []  # the answer's tokens so far
+        self.prompt_seen = False  # generate() hands over the prompt first
+        self.shown = 0  # characters of the answer already printed
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self.prompt_seen:
+            self.prompt_seen = True
+            return
+        self.ids.extend(value.reshape(-1).tolist())
+        self._show(final=False)
+
+    def end(self) -> None:
+        self._show(final=True)
+        print(flush=True)
+
+    def text(self) -> str:
+        return str(self.tokenizer.decode(self.ids, skip_special_tokens=True))
+
+    def _show(self, final: bool) -> None:
+        text = self.text()
+        if not final and text.endswith("\ufffd"):  # the last token ends inside a character: wait for the rest
+            return
+        print(text[self.shown :], end="", flush=True)
+        self.shown = len(text)
+
+
 def _generate(
-    model: DistributedCausalLMMixin, tokenizer: Any, input_ids: torch.Tensor, max_new_tokens: int
-) -> torch.Tensor:
-    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    model: DistributedCausalLMMixin, printer: _AnswerPrinter, input_ids: torch.Tensor, max_new_tokens: int,
+    session: InferenceSession | None = None,
+) -> None:  # fmt: skip
+    """Greedy generation of an answer, printed as it comes (Ctrl-C stops it: KeyboardInterrupt propagates)."""
     began = time.perf_counter()
-    output = model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False, streamer=streamer)
-    new_tokens = output.shape[1] - input_ids.shape[1]
+    model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False, streamer=printer, session=session)
     elapsed = time.perf_counter() - began
-    print(f"[{new_tokens} tokens in {elapsed:.1f} s, {new_tokens / elapsed:.1f} tokens/s]", file=sys.stderr)
-    return output
+    tokens = len(printer.ids)
+    print(f"[{tokens} tokens in {elapsed:.1f} s, {tokens / elapsed:.1f} tokens/s]", file=sys.stderr, flush=True)
 
 
 def _answer(model: DistributedCausalLMMixin, tokenizer: Any, prompt: str, max_new_tokens: int) -> None:
     messages = [{"role": "user", "content": prompt}]
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     print(f"\nUser: {prompt}\nAssistant: ", end="", flush=True)
-    _generate(model, tokenizer, ids["input_ids"], max_new_tokens)
+    _generate(model, _AnswerPrinter(tokenizer), ids["input_ids"], max_new_tokens)
 
 
 def _interactive(model: DistributedCausalLMMixin, tokenizer: Any, max_new_tokens: int) -> None:
-    """A chat in one inference session: each turn sends only its own tokens; the servers keep the rest."""
-    print("\nChat with the swarm (an empty line or Ctrl-D ends it).")
+    """A chat in one inference session: each turn sends only the tokens the servers do not hold yet.
+
+    The conversation is kept as messages and rendered by the chat template at every turn, so an answer cut at the
+    token limit or by Ctrl-C still ends its turn as the template ends it (its end-of-turn token): the model never
+    sees an assistant turn that runs into the next user turn. Ctrl-C during an answer stops it and the chat goes on;
+    at the prompt, Ctrl-C, Ctrl-D or an empty line ends the chat."""
+    print("\nChat with the swarm (Ctrl-C stops an answer; an empty line, Ctrl-D or Ctrl-C at the prompt ends it).")
     conversation: list[dict[str, str]] = []
-    ids: torch.Tensor | None = None
-    with model.inference_session(max_length=CHAT_MAX_TOKENS):
-        while True:
-            try:
-                text = input("\nYou: ").strip()
-            except EOFError:
-                break
-            if not text:
-                break
-            rendered = tokenizer.apply_chat_template(conversation, tokenize=False) if conversation else ""
+    session = model.inference_session(max_length=CHAT_MAX_TOKENS)
+    try:
+        while (text := _read_turn()) is not None:
             conversation.append({"role": "user", "content": text})
-            full = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
-            new = tokenizer(full[len(rendered) :], return_tensors="pt", add_special_tokens=False).input_ids
-            ids = new if ids is None else torch.cat([ids, new], dim=1)
+            rendered = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, return_dict=True)
+            ids = torch.tensor([rendered["input_ids"]])
             if ids.shape[1] + max_new_tokens > CHAT_MAX_TOKENS:
                 print(f"The conversation reached {CHAT_MAX_TOKENS} tokens; start a new chat to go on.")
                 break
+            _keep_common_prefix(session, ids)
             print("Assistant: ", end="", flush=True)
-            output = _generate(model, tokenizer, ids, max_new_tokens)
-            answer = tokenizer.decode(output[0, ids.shape[1] :], skip_special_tokens=True)
-            conversation.append({"role": "assistant", "content": answer})
-            ids = output
+            printer = _AnswerPrinter(tokenizer)
+            try:
+                _generate(model, printer, ids, max_new_tokens, session)
+            except KeyboardInterrupt:
+                printer.end()
+                print("[answer stopped]", file=sys.stderr, flush=True)
+                # the step under way was cut at any point (maybe with a reply still in flight): a new session
+                # rebuilds the servers' caches from the conversation at the next turn
+                session.close()
+                session = model.inference_session(max_length=CHAT_MAX_TOKENS)
+            conversation.append({"role": "assistant", "content": printer.text()})
+    finally:
+        session.close()
+
+
+def _read_turn() -> str | None:
+    """The user's next message; None ends the chat (an empty line, Ctrl-D or Ctrl-C)."""
+    try:
+        text = input("\nYou: ").strip()
+    except (EOFError, KeyboardInterrupt):
+        print()
+        return None
+    return text or None
+
+
+def _keep_common_prefix(session: InferenceSession, ids: torch.Tensor) -> None:
+    """Roll the session back to the longest prefix of `ids` (1, tokens) it has processed: generate() then sends
+    only the rest (the template's rendering of the last answer may differ from the tokens generated: its
+    end-of-turn, or its text tokenized anew)."""
+    seen = session.token_ids
+    if seen is None or session.position == 0:
+        return
+    width = min(seen.shape[1], ids.shape[1])
+    differs = (seen[0, :width] != ids[0, :width]).nonzero()
+    common = int(differs[0, 0]) if len(differs) else width
+    session.position = session.prefix_tokens + common  # also cuts the session's record of its last output

@@ -124,7 +124,9 @@ class LocalSwarm:
 
     def _launch(self, args: list[str], **popen_kwargs: Any) -> subprocess.Popen:
         """Start one server's process (a hook: the emulated network starts each on its own host)."""
-        return spawn_bound(args, **popen_kwargs)
+        # in a process group of its own: a Ctrl-C at the terminal reaches only the process that owns the swarm (the
+        # chat's Ctrl-C stops an answer, not the servers), which stops the servers in order when it ends
+        return spawn_bound(args, process_group=0, **popen_kwargs)
 
     def start_servers(self, spans: Sequence[tuple[int, int]]) -> list[LocalServer]:
         started = [self.add_server(start, end, wait=False) for start, end in spans]
