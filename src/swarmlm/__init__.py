@@ -20,6 +20,7 @@ from swarmlm.errors import (
 if TYPE_CHECKING:
     from swarmlm.client.model import AutoDistributedModelForCausalLM
     from swarmlm.client.remote_sequential import RemoteSequential
+    from swarmlm.client.tokenizer import AutoTokenizer
     from swarmlm.config import ClientConfig, ServerConfig
 
 __version__ = "0.1.0"
@@ -39,6 +40,7 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_DropOptionalKernel
 # heavy modules (torch, transformers, hivemind) load on first use, not on `import swarmlm`
 _LAZY = {
     "AutoDistributedModelForCausalLM": "swarmlm.client.model",
+    "AutoTokenizer": "swarmlm.client.tokenizer",
     "RemoteSequential": "swarmlm.client.remote_sequential",
     "ClientConfig": "swarmlm.config",
     "ServerConfig": "swarmlm.config",
@@ -46,6 +48,7 @@ _LAZY = {
 
 __all__ = [
     "AutoDistributedModelForCausalLM",
+    "AutoTokenizer",
     "BadRequestError",
     "ClientConfig",
     "ConfigError",

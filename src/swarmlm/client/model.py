@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-from transformers import PretrainedConfig
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from swarmlm.checks import POSITIVE_INT, check_range
@@ -23,7 +23,7 @@ from swarmlm.client.trace import RequestTrace
 from swarmlm.config import ClientConfig
 from swarmlm.errors import ConfigError, ModelLoadError
 from swarmlm.models.fingerprint import model_fingerprint
-from swarmlm.models.loading import load_config, load_tensors, resolve_model
+from swarmlm.models.loading import load_config, load_tensors, load_tokenizer, resolve_model
 from swarmlm.models.naming import default_dht_prefix
 from swarmlm.models.registry import ModelFamily, get_family
 from swarmlm.protocol.messages import ServerInfo
@@ -45,6 +45,8 @@ class DistributedCausalLMMixin(RemoteGenerationMixin):
     """Mixed into a family's HF causal LM class: its `model.layers` is a RemoteSequential."""
 
     family: ModelFamily
+    _model_dir: Path
+    _tokenizer: PreTrainedTokenizerBase | None
 
     @classmethod
     def from_pretrained(  # type: ignore[override]
@@ -91,6 +93,8 @@ class DistributedCausalLMMixin(RemoteGenerationMixin):
         with torch.device("meta"):
             instance = distributed_cls(config)
         instance._load_local_parts(model_dir, dtype)
+        # the tokenizer is read from the same folder on first use of `tokenizer` (many clients never need it)
+        instance._model_dir, instance._tokenizer = model_dir, None
         instance.prompt_tuning = None
         instance.lora_tuning = None
         instance._session_stacks = SessionStacks()
@@ -174,6 +178,14 @@ class DistributedCausalLMMixin(RemoteGenerationMixin):
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        """The model's tokenizer (with its chat template), read offline from the folder the model was loaded from,
+        on first use; the same object afterwards."""
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self._model_dir)
+        return self._tokenizer
 
     def save_prompts(self, directory: str | os.PathLike) -> None:
         """Save the trained prompts (a small safetensors file and its settings) to `directory`."""

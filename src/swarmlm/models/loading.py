@@ -13,7 +13,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import filelock
 import torch
@@ -180,12 +180,13 @@ def load_tensors(
     return tensors
 
 
-def load_tokenizer(model_dir: Path) -> transformers.PreTrainedTokenizerBase:
-    """The tokenizer saved in `model_dir` (with its chat template, if the model has one)."""
+def load_tokenizer(model_dir: Path, **options: Any) -> transformers.PreTrainedTokenizerBase:
+    """The tokenizer saved in `model_dir` (with its chat template, if the model has one); `options` go to
+    transformers' AutoTokenizer.from_pretrained (e.g. padding_side="left")."""
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        return AutoTokenizer.from_pretrained(str(model_dir), **options, local_files_only=True)
     except (OSError, ValueError, KeyError) as e:
         raise ModelLoadError(f"Cannot load the tokenizer in {model_dir}: {e}") from e
 
