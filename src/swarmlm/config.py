@@ -18,7 +18,7 @@ class ServerConfig:
     announce_maddrs: tuple[str, ...] = ()  # addresses others dial (port forward, proxy); default: the listening ones
     identity_path: str | None = None  # Ed25519 key file keeping the peer id across restarts (created if missing)
     relays: tuple[str, ...] = ()  # relay peers (.../p2p/<id>) to be dialled through when no inbound connection works
-    dtype: str = "float32"  # compute dtype of the blocks: float32 | bfloat16 | float16
+    dtype: str = "float32"  # compute dtype of the blocks: float32 | bfloat16 | float16 | auto (the checkpoint's)
     device: str = "cpu"  # torch device of the blocks
     dht_prefix: str | None = None  # name the swarm's records live under (default: derived from the model)
     cache_dir: str | None = None  # where converted models are kept (default: ~/.cache/swarmlm)

@@ -31,7 +31,7 @@ from tests.conftest import running_swarm
 
 NUM_BLOCKS = 5
 HIDDEN_SIZE = 64
-CACHE_TOKENS = 64  # the server's whole KV-cache budget
+CACHE_TOKENS = 64  # the server's whole KV-cache budget (at each block: sessions here span all of them)
 ALLOC_TIMEOUT_S = 1.0  # how long an open waits for room before "server busy"
 IDLE_TIMEOUT_S = 3.0  # a session without steps for this long is closed by the server
 # a step on a live server answers within this; anything slower means the client waited for a timeout
@@ -256,14 +256,15 @@ def test_open_waiting_for_room_gets_it_when_a_session_closes(client: SessionClie
 
 
 def test_session_larger_than_the_whole_cache_is_refused_at_once(client: SessionClient) -> None:
-    # 2 * 40 = 80 tokens > 64: no wait can help; max_length itself is within the model's context
+    # 2 * 40 = 80 tokens > 64 (at each block): no wait can help; max_length itself is within the model's context
     began = time.monotonic()
     with pytest.raises(RemoteCallError, match="exceeds this server's cache") as refused:
         client.open(2, 40)
     assert not isinstance(refused.value, BadRequestError)
     assert time.monotonic() - began < ALLOC_TIMEOUT_S
     reply = client.raw_open(InferenceOpen(start_block=0, end_block=NUM_BLOCKS, batch_size=2, max_length=40))
-    assert not reply.ok and reply.error_kind == "too_large" and f"{CACHE_TOKENS} tokens" in reply.error
+    assert not reply.ok and reply.error_kind == "too_large"
+    assert f"of {CACHE_TOKENS * NUM_BLOCKS} block-tokens" in reply.error  # CACHE_TOKENS at each of the blocks
     # the refusal reserved nothing
     client.open(1, CACHE_TOKENS)
 

@@ -163,5 +163,6 @@ def test_server_info_describes_each_server_as_it_is_now(tiny_model_dir: Path, sw
             session.step(torch.randn(2, 3, 64))
             busy = model.server_info(swarm.servers[0].peer_id)
             assert busy.sessions_open == 1
-            assert busy.cache_tokens_left == busy.cache_tokens_total - 2 * 16
+            # block-tokens: batch 2 x max_length 16 at each of the server's blocks 0:2
+            assert busy.cache_tokens_left == busy.cache_tokens_total - 2 * 16 * 2
         assert model.server_info(swarm.servers[0].peer_id).sessions_open == 0

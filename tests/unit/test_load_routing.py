@@ -129,8 +129,12 @@ def test_records_without_load_fields_still_parse() -> None:
 def test_a_full_server_is_skipped_for_sessions_but_not_for_forward() -> None:
     view = SwarmView(ServerFilter.of(None, ["float32"]))
     view.update({"full": _record(left=100), "roomy": _record(left=4096), "silent": _record(left=None)})
-    assert view.full_for(2 * 64) == {"full"}  # batch 2 x max_length 64 does not fit in 100 free tokens
-    assert view.full_for(100) == set()
+    # free cache is announced in block-tokens: a session needs its batch x max_length tokens at each block it may use
+    assert view.full_for(2 * 64, 0, 4) == {"full"}  # 128 tokens at 4 blocks do not fit in 100 free block-tokens
+    assert view.full_for(25, 0, 4) == set()
+    assert view.full_for(26, 0, 4) == {"full"}
+    assert view.full_for(50, 2, 8) == set()  # the servers hold 2 of the blocks 2:8
+    assert view.full_for(1000, 4, 8) == set()  # they hold none of those: they are not asked
     # for forward (no session) nothing is excluded: routing still sees every server
     assert {v.peer_id for v in view.views(Health(1.0, 60.0))} == {"full", "roomy", "silent"}
 

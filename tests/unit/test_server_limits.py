@@ -69,6 +69,53 @@ def test_a_waiter_that_gives_up_lets_the_next_one_in() -> None:
     run(scenario())
 
 
+class SpanOnly:
+    """A backend holding blocks 2:7 whose sessions take no steps."""
+
+    def __init__(self) -> None:
+        self.limits = SpanLimits(start=2, end=7, hidden_size=8, max_tokens=64, max_position=128)
+
+    def session_ended(self, cache) -> None:  # noqa: ANN001
+        pass
+
+
+async def _open_then_wait(header: InferenceOpen, done: asyncio.Event) -> AsyncIterator[runtime_pb2.ExpertRequest]:
+    for part in encode(header, [], _REQ):
+        yield part
+    await done.wait()  # the stream stays open (and the session with it) until the test is done
+
+
+def test_a_session_reserves_cache_at_the_blocks_it_uses_only() -> None:
+    """Petals' server-info case: 100 tokens over blocks 2:5 of a server holding 2:7 take 300 block-tokens, not 500.
+    Sessions over 2:5 and 5:7 then fit together in a cache of 100 tokens at each of the 5 blocks, and nothing more."""
+
+    async def scenario() -> None:
+        ledger = PeerLedger(PeerLimits(memory_bytes=1 << 20, sessions_per_peer=4, sessions_total=4, cache_share=1.0))
+        budget, done = CacheBudget(100 * 5), asyncio.Event()
+        sessions = InferenceSessions(SpanOnly(), budget, ledger, alloc_timeout_s=0, idle_timeout_s=5, chunk_tokens=64)
+        streams = []
+
+        async def open_session(start: int, end: int, max_length: int) -> ReplyHeader:
+            header = InferenceOpen(start_block=start, end_block=end, batch_size=1, max_length=max_length)
+            replies = sessions.serve(_open_then_wait(header, done), "peer")
+            streams.append(replies)
+            opened = await read_message(replies, ReplyHeader, max_bytes=1 << 20)
+            assert opened is not None
+            return opened[0]
+
+        assert (await open_session(2, 5, 100)).ok and budget.used == 300
+        assert (await open_session(5, 7, 100)).ok and budget.used == 500
+        refused = await open_session(6, 7, 1)  # one token at one block more than the cache holds
+        assert refused.error_kind == "busy" and "500 of 500 cache block-tokens" in refused.error
+        done.set()
+        for replies in streams:
+            async for _ in replies:
+                pass
+        assert budget.used == 0 and ledger.usage("peer").cache_tokens == 0
+
+    run(scenario())
+
+
 def test_peer_ledger_caps_sessions_bytes_and_cache_share() -> None:
     async def scenario() -> None:
         ledger = PeerLedger(PeerLimits(memory_bytes=100, sessions_per_peer=2, sessions_total=3, cache_share=0.5))

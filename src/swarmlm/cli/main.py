@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--identity", default=None, metavar="PATH",
                        help="key file that keeps this server's peer id across restarts (created, mode 0600, if "
                        "missing)")  # fmt: skip
-    serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"],
+                       help="compute dtype of the blocks (auto: the checkpoint's own, else float32)")  # fmt: skip
     serve.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     serve.add_argument("--dht-prefix", default=None, help="swarm name (default: derived from the model)")
     serve.add_argument("--cache-dir", default=None, help="where converted models are kept (default ~/.cache/swarmlm)")

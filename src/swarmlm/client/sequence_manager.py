@@ -186,7 +186,7 @@ class SequenceManager:
         await self.measure_unknown(start, end)
         while True:
             banned, views = self._excluded(tokens, avoid), self.view.views(self.health)
-            roomy = banned if session_tokens is None else banned | self.view.full_for(session_tokens)
+            roomy = banned if session_tokens is None else banned | self.view.full_for(session_tokens, start, end)
             route = (self._explore(views, start, end, tokens, roomy, policy) if spread else None) or self._find(
                 views, start, end, tokens, roomy, policy, spread
             )

@@ -109,11 +109,14 @@ class SwarmView:
             views.append(ServerView(peer_id, record.start, record.end, throughput, latency_s, announced_load(record)))
         return views
 
-    def full_for(self, session_tokens: int) -> set[str]:
-        """Servers whose announced free cache cannot hold a new session of `session_tokens` (batch x max_length)
-        tokens: opening one there would only be refused. Servers that announce no figure are not excluded."""
-        return {
-            peer
-            for peer, record in self.servers.items()
-            if record.cache_tokens_left is not None and record.cache_tokens_left < session_tokens
-        }
+    def full_for(self, session_tokens: int, start: int, end: int) -> set[str]:
+        """Servers whose announced free cache (in block-tokens) cannot hold a new session of `session_tokens`
+        (batch x max_length) tokens at each block of [start, end) they hold: opening one there would only be refused.
+        A route may use fewer of those blocks, so this errs towards full. Servers announcing no figure are not
+        excluded."""
+        full = set()
+        for peer, record in self.servers.items():
+            blocks = max(0, min(end, record.end) - max(start, record.start))
+            if record.cache_tokens_left is not None and record.cache_tokens_left < session_tokens * blocks:
+                full.add(peer)
+        return full

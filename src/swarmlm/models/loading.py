@@ -143,6 +143,15 @@ def load_config(model_dir: Path) -> transformers.PretrainedConfig:
     return config
 
 
+def checkpoint_dtype(config: transformers.PretrainedConfig) -> torch.dtype:
+    """The dtype a checkpoint's config names (transformers 5 reads config.json's torch_dtype as dtype); float32 when
+    it names none. A GGUF file converts to float32 weights, and the converted folder's config.json says float32."""
+    named = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(named, str):
+        named = getattr(torch, named, None)
+    return named if isinstance(named, torch.dtype) else torch.float32
+
+
 def load_tensors(
     model_dir: Path, prefixes: Sequence[str], dtype: torch.dtype | None = None
 ) -> dict[str, torch.Tensor]:

@@ -208,8 +208,8 @@ class ServerInfo(_Header):
     dtype: str  # compute dtype of the blocks
     max_tokens_per_request: int  # batch * sequence tokens one request may carry
     max_position: int  # the model's context: positions and session lengths stay below it
-    cache_tokens_total: int  # the KV-cache budget, in tokens
-    cache_tokens_left: int  # tokens of it not reserved by open sessions
+    cache_tokens_total: int  # the KV-cache budget, in block-tokens (one token's keys and values at one block)
+    cache_tokens_left: int  # block-tokens of it not reserved by open sessions
     sessions_open: int  # inference sessions open now
     queue_depth: float = 0.0  # compute turns a new request waits for, averaged over recent seconds
     throughput: float  # forward tokens/s through one block, measured at start-up

@@ -1,4 +1,5 @@
-"""The server's KV-cache budget: sessions reserve batch * max_length tokens and wait briefly when it is full."""
+"""The server's KV-cache budget: sessions reserve batch * max_length tokens at each block they use, and wait briefly
+when it is full."""
 
 from __future__ import annotations
 
@@ -51,7 +52,8 @@ def default_cache_tokens(
 
 
 class CacheBudget:
-    """Counts reserved tokens against a fixed capacity, first come first served; lives on the server's event loop."""
+    """Counts reserved block-tokens (one token's keys and values at one block) against a fixed capacity, first come
+    first served; lives on the server's event loop."""
 
     def __init__(self, capacity_tokens: int):
         self.capacity = capacity_tokens
@@ -65,7 +67,7 @@ class CacheBudget:
         """
         if tokens > self.capacity:
             raise CacheTooSmallError(
-                f"a session of {tokens} tokens exceeds this server's cache of {self.capacity} tokens"
+                f"a session of {tokens} block-tokens exceeds this server's cache of {self.capacity} block-tokens"
             )
         if not self._waiting and self.used + tokens <= self.capacity:
             self.used += tokens
@@ -103,4 +105,4 @@ class CacheBudget:
                 return
 
     def _busy(self, tokens: int, waited: str) -> str:
-        return f"server busy: {self.used} of {self.capacity} cache tokens in use, {tokens} asked; {waited}"
+        return f"server busy: {self.used} of {self.capacity} cache block-tokens in use, {tokens} asked; {waited}"

@@ -46,6 +46,12 @@ class Pusher(Protocol):
 Message = tuple[InferenceStep, list]
 
 
+def cache_block_tokens(session: InferenceOpen) -> int:
+    """What a session reserves of the cache budget: batch x max_length tokens at each block it uses (not at every
+    block the server holds: a session over blocks 2:5 of a server holding 2:7 keeps nothing at blocks 5 and 6)."""
+    return session.batch_size * session.max_length * (session.end_block - session.start_block)
+
+
 class _Inbox:
     """The steps pushed to one open session, waiting to run; `overflowed` is set when a pusher sent more than it
     holds (a step was refused, so the session's steps can no longer follow each other: it closes)."""
@@ -97,7 +103,7 @@ class InferenceSessions:
             return
         if session is None:
             return
-        tokens = session.batch_size * session.max_length
+        tokens = cache_block_tokens(session)
         inbox: _Inbox | None = None
         if session.session_id is not None:
             inbox = self._pushed[session.session_id] = _Inbox()
@@ -130,7 +136,7 @@ class InferenceSessions:
         check_open(session, self.backend.limits)
         if session.session_id is not None and session.session_id in self._pushed:
             raise ProtocolError("a session with this id is open already: ids are random, choose another")
-        tokens = session.batch_size * session.max_length
+        tokens = cache_block_tokens(session)
         self.ledger.open_session(peer)
         try:
             self.ledger.check_cache(peer, tokens, self.budget.capacity)

@@ -117,14 +117,14 @@ class PeerLedger:
         self._forget_if_idle(peer)
 
     def check_cache(self, peer: str, tokens: int, capacity: int) -> None:
-        """Refuse a reservation that would take `peer` beyond its share of a cache of `capacity` tokens."""
+        """Refuse a reservation that would take `peer` beyond its share of a cache of `capacity` block-tokens."""
         share = int(capacity * self.limits.cache_share)
         held = self._peers[peer].cache_tokens
         if share < capacity and held + tokens > share:  # a share of the whole cache: the budget alone decides
             kind = "too_large" if tokens > share else "busy"
             raise LimitError(
-                f"a session of {tokens} cache tokens would take this peer to {held + tokens}, "
-                f"beyond its share of {share} of {capacity} tokens",
+                f"a session of {tokens} cache block-tokens would take this peer to {held + tokens}, "
+                f"beyond its share of {share} of {capacity}",
                 kind,
             )
 

@@ -13,6 +13,7 @@ import hivemind
 import torch
 from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
+from transformers import PretrainedConfig
 
 from swarmlm import __version__
 from swarmlm.checks import check_device
@@ -20,7 +21,7 @@ from swarmlm.config import ServerConfig
 from swarmlm.errors import SwarmError
 from swarmlm.models.adapters import adapter_name, load_adapters
 from swarmlm.models.fingerprint import model_fingerprint
-from swarmlm.models.loading import load_config, resolve_model
+from swarmlm.models.loading import checkpoint_dtype, load_config, resolve_model
 from swarmlm.models.naming import model_name
 from swarmlm.models.quant import QUANT_MODES, bnb_functional, module_bytes, quantize
 from swarmlm.models.span import SpanModel
@@ -47,6 +48,19 @@ from swarmlm.swarm.records import ServerRecord, ServerState, announce, fetch_ser
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+AUTO_DTYPE = "auto"  # --dtype auto: compute in the checkpoint's own dtype
+
+
+def serving_dtype(name: str, model_config: PretrainedConfig) -> str:
+    """The compute dtype a server asked for `name` uses: `name` itself, or for "auto" the dtype the checkpoint's
+    config.json names (float32 when it names none; a converted GGUF file names float32)."""
+    if name != AUTO_DTYPE:
+        return name
+    own = checkpoint_dtype(model_config)
+    for known, dtype in DTYPES.items():
+        if dtype == own:
+            return known
+    raise SwarmError(f"the checkpoint's dtype {own} cannot be served: pass --dtype {', '.join(DTYPES)}")
 
 
 class Server:
@@ -54,8 +68,8 @@ class Server:
 
     def __init__(self, config: ServerConfig):
         self.config = config
-        if config.dtype not in DTYPES:
-            raise SwarmError(f"--dtype must be one of {', '.join(DTYPES)}, not {config.dtype!r}")
+        if config.dtype != AUTO_DTYPE and config.dtype not in DTYPES:
+            raise SwarmError(f"--dtype must be one of {', '.join([*DTYPES, AUTO_DTYPE])}, not {config.dtype!r}")
         if not config.new_swarm and not config.initial_peers:
             raise SwarmError("give --initial-peers to join a swarm, or --new-swarm to start one")
         check_announce_maddrs(config.announce_maddrs)
@@ -72,6 +86,8 @@ class Server:
             self.dht_prefix = blind_prefix(self.dht_prefix, config.swarm_key)
         self.model_dir = resolve_model(config.model, cache_dir=config.cache_dir)
         model_config = load_config(self.model_dir)
+        self.dtype_name = serving_dtype(config.dtype, model_config)  # the compute dtype, announced as is
+        self.dtype = DTYPES[self.dtype_name]
         self.num_blocks_total = model_config.num_hidden_layers
         # clients use only servers of the very model they loaded: announced in every record
         self.fingerprint = model_fingerprint(self.model_dir)
@@ -84,14 +100,16 @@ class Server:
         if config.quant == "nf4":
             bnb_functional()  # a missing bitsandbytes is reported now, before the DHT starts
         # quantized blocks give slightly different outputs: announced as their own dtype, which clients opt into
-        self.announced_dtype = config.quant or config.dtype
+        self.announced_dtype = config.quant or self.dtype_name
         self.since = 0.0  # DHT time this span was claimed (set when announced)
         request_bytes = max_message_bytes(config.max_tokens_per_request, model_config.hidden_size)
         self.peer_memory_bytes = int(config.peer_memory_mb * 1e6) if config.peer_memory_mb else 4 * request_bytes
-        self.cache_tokens = config.cache_tokens or default_cache_tokens(
-            model_config, self.end - self.start, DTYPES[config.dtype], config.device,
-            reserved_bytes=self.peer_memory_bytes,
-        )  # fmt: skip
+        cache_tokens = config.cache_tokens or default_cache_tokens(
+            model_config, self.end - self.start, self.dtype, config.device, reserved_bytes=self.peer_memory_bytes
+        )
+        # the KV-cache budget in block-tokens (a token's keys and values at one block): room for cache_tokens tokens
+        # at every block of the span; a session reserves its tokens at each block it uses, no more
+        self.cache_block_tokens = cache_tokens * (self.end - self.start)
         self.throughput, self.inference_throughput = 1.0, 1.0  # until measured on the loaded span
         self.backend: SpanBackend | None = None
         self.dht: hivemind.DHT | None = None
@@ -126,7 +144,7 @@ class Server:
         """Load blocks [start, end) and measure them (blocking: run off the event loop once serving)."""
         cfg = self.config
         logger.info("Loading blocks %d:%d of %s", start, end, self.model_dir)
-        span = SpanModel.from_dir(self.model_dir, start, end, DTYPES[cfg.dtype], cfg.device)
+        span = SpanModel.from_dir(self.model_dir, start, end, self.dtype, cfg.device)
         if cfg.adapters:
             load_adapters(span, cfg.adapters)
         if cfg.quant is not None:
@@ -137,7 +155,7 @@ class Server:
         stages = max(1, round(self.num_blocks_total / (end - start)))  # a chain of spans like this one
         later = max(0, round((self.num_blocks_total - end) / (end - start)))  # of them, after this one
         limits = BatchLimits(decode_wait_s=cfg.decode_wait_s, stages=stages, later_stages=later)
-        backend = SpanBackend(span, DTYPES[cfg.dtype], cfg.device, cfg.max_tokens_per_request, limits)
+        backend = SpanBackend(span, self.dtype, cfg.device, cfg.max_tokens_per_request, limits)
         self.throughput = backend.measure_throughput()
         self.inference_throughput = backend.measure_inference_throughput()
         self.backend, self.start, self.end = backend, start, end
@@ -153,7 +171,7 @@ class Server:
             fingerprint=self.fingerprint,
             version=__version__,
             max_tokens_per_request=self.config.max_tokens_per_request,
-            cache_tokens_total=self.cache_tokens,
+            cache_tokens_total=self.cache_block_tokens,
             cache_tokens_left=self._cache_tokens_left(),
             inference_throughput=self.inference_throughput,
             since=self.since,
@@ -187,7 +205,7 @@ class Server:
 
     def _cache_tokens_left(self) -> int:
         budget = self.budget
-        return self.cache_tokens if budget is None else max(0, budget.capacity - budget.used)
+        return self.cache_block_tokens if budget is None else max(0, budget.capacity - budget.used)
 
     def describe(self) -> ServerInfo:
         """This server now, as rpc_info answers it."""
@@ -202,7 +220,7 @@ class Server:
             dtype=self.announced_dtype,
             max_tokens_per_request=limits.max_tokens,
             max_position=limits.max_position,
-            cache_tokens_total=self.cache_tokens,
+            cache_tokens_total=self.cache_block_tokens,
             cache_tokens_left=self._cache_tokens_left(),
             sessions_open=0 if self.inference is None else self.inference.open_sessions,
             queue_depth=self._queue_depth(),
@@ -268,7 +286,7 @@ class Server:
             raise RuntimeError("the span is loaded before the handler starts")
         ledger = PeerLedger(PeerLimits(self.peer_memory_bytes, cfg.max_sessions_per_peer, cfg.max_sessions,
                                        cfg.peer_cache_share))  # fmt: skip
-        self.budget = CacheBudget(self.cache_tokens)
+        self.budget = CacheBudget(self.cache_block_tokens)
         self.inference = InferenceSessions(
             self.backend,
             self.budget,

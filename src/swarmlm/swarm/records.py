@@ -45,8 +45,8 @@ class ServerRecord(BaseModel):
     fingerprint: str = ""  # models/fingerprint.py of the model served ("" from servers too old to say)
     version: str = ""  # swarmlm package version of the server
     max_tokens_per_request: int = Field(default=0, ge=0)  # batch * sequence tokens one request may carry (0: unknown)
-    cache_tokens_total: int = Field(default=0, ge=0)  # KV-cache budget of the server, in tokens
-    cache_tokens_left: int | None = Field(default=None, ge=0)  # KV-cache tokens free now (None: unknown)
+    cache_tokens_total: int = Field(default=0, ge=0)  # KV-cache budget of the server, in block-tokens
+    cache_tokens_left: int | None = Field(default=None, ge=0)  # KV-cache block-tokens free now (None: unknown)
     inference_throughput: float | None = Field(default=None, gt=0)  # decode steps/s through one block, if measured
     sessions_open: int = Field(default=0, ge=0)  # inference sessions open now (0 also from servers too old to say)
     queue_depth: float = Field(default=0.0, ge=0)  # compute turns a new request waits for, averaged (0: idle/unknown)
