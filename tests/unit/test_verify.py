@@ -40,6 +40,38 @@ def test_tolerance_follows_the_coarsest_dtype() -> None:
     assert agree(_opinion(("a",), HIDDEN + 1e-7), _opinion(("b",), HIDDEN))
 
 
+def test_a_narrow_wire_widens_the_tolerance_as_its_rounding_does() -> None:
+    def on(wire: str, peers: tuple[str, ...], output: torch.Tensor) -> Opinion:
+        return Opinion(peers, ("float32",) * len(peers), output, wire)
+
+    # rounded at a hop boundary inside one route: as a 16-bit dtype's results differ
+    rounded = HIDDEN * (1 + 5e-3)
+    assert not agree(on("float32", ("a",), rounded), on("float32", ("b", "c"), HIDDEN))
+    assert agree(on("bfloat16", ("a",), rounded), on("bfloat16", ("b", "c"), HIDDEN))
+    # an int8 row of 16 values one rounding step apart in one value: 1/127 of the largest value
+    step = HIDDEN.clone()
+    step[..., 0] += HIDDEN.abs().amax(dim=-1) / 127
+    assert not agree(on("float32", ("a",), step), on("float32", ("b",), HIDDEN))
+    assert agree(on("int8", ("a",), step), on("int8", ("b",), HIDDEN))
+    assert not agree(on("int8", ("a",), HIDDEN * 1.05), on("int8", ("b",), HIDDEN))
+
+
+def test_under_an_int8_wire_only_one_server_results_are_compared() -> None:
+    """int8 rounding at another hop boundary moves a span's result by far more than a tampering server would (16-49%
+    per token on SmolLM2): a result of two servers is no check of one server's, and leaves it unchecked."""
+    first = Opinion(("a",), ("float32",), HIDDEN, "int8")
+    two_hops = Opinion(("b", "c"), ("float32",) * 2, HIDDEN * 1.3, "int8")
+    winner, convicted, avoided = _settle(first, [two_hops])
+    assert winner is first and not convicted and len(avoided) == 1
+    # nor can it settle a disagreement between two one-server results
+    with pytest.raises(UnverifiedResultError, match="no third server"):
+        _settle(first, [Opinion(("d",), ("float32",), HIDDEN * 1.1, "int8"), two_hops])
+    # under the other wires it is a check like any other
+    winner, convicted, _ = _settle(Opinion(("a",), ("float32",), HIDDEN * 1.3, "bfloat16"),
+                                   [Opinion(("b", "c"), ("float32",) * 2, HIDDEN, "bfloat16")] * 2)  # fmt: skip
+    assert convicted == [("a",)] and torch.equal(winner.output, HIDDEN)
+
+
 def test_new_servers_are_checked_until_they_pass_then_at_the_configured_rate() -> None:
     verifier = Verifier(probability=0.0, first_requests=2, rng=random.Random(0))
     assert verifier.reason_to_check(("a",), 3, HIDDEN) == "new server"

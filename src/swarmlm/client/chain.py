@@ -152,7 +152,7 @@ async def check_hop(
 ) -> tuple[torch.Tensor, list[Hop]] | None:
     """Spot-check a forward hop when the Verifier asks for it: None keeps the hop's result, else the result that
     won the check and the hops of the independent route that produced it (see verify.settle)."""
-    first = Opinion((span.peer_id,), (manager.dtype_of(span.peer_id),), out)
+    first = Opinion((span.peer_id,), (manager.dtype_of(span.peer_id),), out, manager.config.wire_dtype)
     reason = manager.verifier.reason_to_check(first.peers, span.end, out)
     if reason is None:
         return None
@@ -172,7 +172,7 @@ async def check_hop(
             return None
         peers = tuple(hop.span.peer_id for hop in hops)
         routes[peers] = hops
-        return Opinion(peers, tuple(manager.dtype_of(peer) for peer in peers), result)
+        return Opinion(peers, tuple(manager.dtype_of(peer) for peer in peers), result, manager.config.wire_dtype)
 
     def convict(peers: tuple[str, ...], why: str) -> None:
         manager.convict(peers, why, span.start, span.end)

@@ -419,7 +419,7 @@ class InferenceSession:
         failover does) and run the step. None keeps the span; else the winning output and sessions (which then
         hold the history and the step as pending, like the span they replace)."""
         manager, span = self.manager, checked.span
-        first = Opinion((span.peer_id,), (manager.dtype_of(span.peer_id),), out)
+        first = Opinion((span.peer_id,), (manager.dtype_of(span.peer_id),), out, manager.config.wire_dtype)
         reason = manager.verifier.reason_to_check(first.peers, span.end, out)
         if reason is None or self.batch_size is None:
             return None
@@ -445,7 +445,7 @@ class InferenceSession:
                 return None
             peers = tuple(s.span.peer_id for s in chain)
             replicas[peers] = chain
-            return Opinion(peers, tuple(manager.dtype_of(peer) for peer in peers), hidden)
+            return Opinion(peers, tuple(manager.dtype_of(peer) for peer in peers), hidden, manager.config.wire_dtype)
 
         def convict(peers: tuple[str, ...], why: str) -> None:
             manager.convict(peers, why, span.start, span.end)

@@ -30,6 +30,15 @@ logger = logging.getLogger(__name__)
 # largest relative per-token difference between two honest results, by the coarsest dtype involved: honest servers
 # differ only by summation order and batching (fp32 ~1e-6 relative over a few blocks; half types ~1e-3 per block)
 DTYPE_TOLERANCE = {"float32": 1e-3, "float16": 2e-2, "bfloat16": 5e-2}
+# what rounding activations to the client's wire dtype adds to the difference of two honest results of a span: 16-bit
+# wires as much as computing in that dtype (a rounding at a hop boundary inside one route and not the other: up to
+# 1e-2 on SmolLM2); int8 rows whose values honest results differ in by their last bits round apart by a step of at
+# most absmax / 127, under 0.8% of the token's norm each
+WIRE_TOLERANCE = {"float32": 0.0, "bfloat16": 5e-2, "float16": 2e-2, "int8": 2e-2}
+# wires whose rounding at a hop boundary moves a span's result beyond any useful tolerance (int8 with one scale per
+# token: 16-49% per token on SmolLM2, whose hidden states have outlier features): results are compared only when
+# each came from one server
+HOP_SENSITIVE_WIRES = frozenset({"int8"})
 # a reply's per-token RMS may lie this factor beyond the range verified replies of the same last block showed
 NORM_SLACK = 8.0
 # verified replies needed for a block before its norm bounds are enforced
@@ -47,11 +56,13 @@ class UnverifiedResultError(RemoteCallError):
 
 @dataclass(frozen=True)
 class Opinion:
-    """One route's result for a span: the servers that produced it, their dtypes and the output."""
+    """One route's result for a span: the servers that produced it, their dtypes, the output, and the client's wire
+    dtype that the span's input, its output and the hidden states between its servers travelled in."""
 
     peers: tuple[str, ...]
     dtypes: tuple[str, ...]
     output: torch.Tensor
+    wire: str = "float32"
 
 
 def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -73,7 +84,17 @@ def tolerance(dtypes: tuple[str, ...]) -> float:
 
 
 def agree(a: Opinion, b: Opinion) -> bool:
-    return relative_difference(a.output, b.output) <= tolerance(a.dtypes + b.dtypes)
+    coarsest = max(WIRE_TOLERANCE.values())
+    wire = max(WIRE_TOLERANCE.get(a.wire, coarsest), WIRE_TOLERANCE.get(b.wire, coarsest))
+    return relative_difference(a.output, b.output) <= max(tolerance(a.dtypes + b.dtypes), wire)
+
+
+def comparable(first: Opinion, other: Opinion | None) -> Opinion | None:
+    """`other` if it can be compared with `first`, else None (as if no independent route existed): under a
+    hop-sensitive wire, only a result computed in as many hops (first is one server's)."""
+    if other is not None and other.wire in HOP_SENSITIVE_WIRES and len(other.peers) != len(first.peers):
+        return None
+    return other
 
 
 class Verifier:
@@ -140,7 +161,7 @@ async def settle(
     verifier: Verifier, first: Opinion, rerun: Rerun, convict: Convict, start: int, end: int, reason: str
 ) -> Opinion:
     """Check `first` against independent routes and return the result to use (raises UnverifiedResultError)."""
-    second = await rerun(set(first.peers))
+    second = comparable(first, await rerun(set(first.peers)))
     if second is None:
         _record(start, end, first, reason, "unchecked")
         return first
@@ -148,7 +169,7 @@ async def settle(
         verifier.passed(first.peers + second.peers, end, first.output)
         _record(start, end, first, reason, "agreed", second.peers)
         return first
-    third = await rerun(set(first.peers) | set(second.peers))
+    third = comparable(first, await rerun(set(first.peers) | set(second.peers)))
     checkers = second.peers + (() if third is None else third.peers)
     if third is None or (agree(third, first) == agree(third, second)):
         _record(start, end, first, reason, "unsettled", checkers)
