@@ -81,6 +81,12 @@ class DistributedCausalLMMixin(RemoteGenerationMixin):
         if unknown:
             raise TypeError(f"unknown option(s) {sorted(unknown)}; client options are {sorted(known)}")
         client_config = _client_config(model, initial_peers, swarm_key, client_options)
+        if tuning_mode == "lora" and client_config.active_adapter is not None:
+            # servers refuse every request that carries both (server/validation.py): say so before anything starts
+            raise ConfigError(
+                f"tuning_mode='lora' and active_adapter={client_config.active_adapter!r} cannot be combined: "
+                "servers apply a request's own LoRA weights or a served adapter, not both"
+            )
         model_dir = resolve_model(model, cache_dir=cache_dir)
         config = load_config(model_dir)
         dtype = checkpoint_dtype(config) if (torch_dtype or dtype) == "auto" else (torch_dtype or dtype)
