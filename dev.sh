@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up the project in ./.venv and run one of its jobs: setup | demo | test | bench.
+# Set up the project in ./.venv and run one of its jobs: setup | demo | test | bench | docs.
 # Needs only python3 (>= 3.11) with pip and venv; everything else is installed here.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -44,10 +44,17 @@ setup_test() {
     install_deps test
 }
 
+build_docs() {
+    # the site (mkdocs.yml, docs/) into the git-ignored site/; --strict: a broken link or anchor fails the tests
+    NO_MKDOCS_2_WARNING=1 "$VENV/bin/mkdocs" build --strict --quiet --site-dir site
+}
+
 case "${1:-}" in
     setup) setup ;;
     demo) setup; shift; exec "$VENV/bin/swarmlm" demo "$@" ;;
-    test) setup_test; shift; "$VENV/bin/ruff" check src tests bench; "$VENV/bin/mypy"; exec "$PY" -m pytest "$@" ;;
+    test) setup_test; shift; "$VENV/bin/ruff" check src tests bench; "$VENV/bin/mypy"; build_docs
+          exec "$PY" -m pytest "$@" ;;
     bench) setup; shift; exec "$PY" bench/run.py "$@" ;;
-    *) echo "usage: ./dev.sh setup|demo|test|bench [args...]" >&2; exit 2 ;;
+    docs) install_deps test; shift; NO_MKDOCS_2_WARNING=1 exec "$VENV/bin/mkdocs" serve "$@" ;;
+    *) echo "usage: ./dev.sh setup|demo|test|bench|docs [args...]" >&2; exit 2 ;;
 esac

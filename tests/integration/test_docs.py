@@ -1,5 +1,5 @@
-"""The docs' examples run as written: every ```python block of README.md (and docs/*.md) runs as a script against a
-real local swarm of the bundled SmolLM2, and every `swarmlm ...` line of their ```bash blocks parses with the CLI."""
+"""The docs' examples run as written: every ```python block of README.md and of every page under docs/ runs as a script
+against a real local swarm of the bundled SmolLM2, and every `swarmlm ...` line of their ```bash blocks parses."""
 
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ from tests.integration.http_process import http_process
 ROOT = Path(__file__).resolve().parents[2]
 # the addresses the examples show; the test puts the local swarm's (and API's) real ones in their place
 PEER_PLACEHOLDER = "/ip4/127.0.0.1/tcp/41234/p2p/12D3KooW..."
+# any shown peer address whose id is elided (e.g. another machine's, /ip4/192.0.2.10/tcp/31337/p2p/12D3KooW...)
+PEER_ADDRESS = re.compile(r"/ip[46]/[^/\s\"']+/tcp/\d+/p2p/12D3KooW\.\.\.")
 API_PLACEHOLDER = "http://127.0.0.1:8000"
 # an HTML comment on the line before a block: <!-- docs-test: skip (why) -->
 SKIP_MARK = re.compile(r"<!--\s*docs-test:\s*skip\s*\((?P<reason>.+)\)\s*-->")
@@ -44,7 +46,7 @@ class Block:
 
 
 def doc_files() -> list[Path]:
-    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 
 def code_blocks(path: Path) -> list[Block]:
@@ -80,6 +82,15 @@ def test_the_docs_have_examples_and_skip_few() -> None:
     assert len(skipped) <= len(PYTHON_BLOCKS) // 4, [(block.name, block.skip_reason) for block in skipped]
 
 
+def test_every_page_of_the_site_is_read() -> None:
+    pages = {path.relative_to(ROOT).as_posix() for path in doc_files()}
+    assert {"README.md", "docs/index.md", "docs/reference/options.md"} <= pages
+    for shown in (PEER_PLACEHOLDER, "/ip4/192.0.2.10/tcp/31337/p2p/12D3KooW..."):
+        assert PEER_ADDRESS.fullmatch(shown), shown
+    for block in RUNNABLE:  # an example that joins a swarm must show an address the test can replace
+        assert "initial_peers" not in block.code or PEER_ADDRESS.search(block.code), block.name
+
+
 def test_every_python_block_is_a_complete_program(tmp_path: Path) -> None:
     """Skipped blocks too: pyflakes' checks (no undefined name, no unused import) over each block on its own."""
     files = []
@@ -113,7 +124,7 @@ def api_url(swarm: LocalSwarm) -> Iterator[str]:
 
 @pytest.mark.parametrize("block", RUNNABLE, ids=lambda block: block.name)
 def test_python_example_runs(block: Block, swarm: LocalSwarm, request: pytest.FixtureRequest, tmp_path: Path) -> None:
-    code = block.code.replace(PEER_PLACEHOLDER, swarm.initial_peers[0])
+    code = PEER_ADDRESS.sub(swarm.initial_peers[0], block.code)
     if API_PLACEHOLDER in code:
         code = code.replace(API_PLACEHOLDER, request.getfixturevalue("api_url"))
     script = tmp_path / "example.py"
