@@ -34,10 +34,10 @@ RECOVERED_S = 20.0
 SILENCE_RECOVERED_S = 35.0
 
 
-def add_slow(swarm: LocalSwarm, start: int, end: int) -> LocalServer:
+def add_slow(swarm: LocalSwarm, start: int, end: int, delay_s: float = DELAY_S) -> LocalServer:
     """A slow server process for blocks start:end joining `swarm` like LocalSwarm.add_server would."""
     args = [
-        sys.executable, str(SLOW_SCRIPT), str(DELAY_S), "serve", str(swarm.model), "--blocks", f"{start}:{end}",
+        sys.executable, str(SLOW_SCRIPT), str(delay_s), "serve", str(swarm.model), "--blocks", f"{start}:{end}",
         "--host", "127.0.0.1", "--initial-peers", *swarm.initial_peers, "--num-threads", "1",
     ]  # fmt: skip
     env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, "PYTHONUNBUFFERED": "1"}

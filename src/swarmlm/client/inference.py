@@ -95,6 +95,12 @@ class _SpanSession:
         self.broken = False  # the stream failed: the server's cache is lost to us
         self.lora_sent: LoraWeights | None = None  # the session's LoRA weights, once this server has them
 
+    @property
+    def lost(self) -> bool:
+        """The server's cache is lost to us, or its stream is out of step (an interrupted step's reply may still
+        come): either way the span must be rebuilt before it runs another step."""
+        return self.broken or self.stream.out_of_step
+
     async def open(self, batch_size: int, max_length: int) -> None:
         header = InferenceOpen(
             start_block=self.span.start, end_block=self.span.end, batch_size=batch_size, max_length=max_length,
@@ -268,7 +274,7 @@ class InferenceSession:
             raise ValueError(f"{self._position + seq} tokens exceed the session's max_length {self.max_length}")
         if self.batch_size is not None and batch != self.batch_size:
             raise ValueError(f"step has batch {batch}; the session was opened for batch {self.batch_size}")
-        behind = any(s.tokens != self._position or s.pending is not None or s.broken for s in self._spans)
+        behind = any(s.tokens != self._position or s.pending is not None or s.lost for s in self._spans)
         if seq == 0 and inputs.hypo_ids is None and not behind:
             return inputs.hidden  # nothing to compute, nothing to cut: no call
         retry = RetryBudget(self.manager)
@@ -295,7 +301,7 @@ class InferenceSession:
             and inputs.hypo_ids is None
             and inputs.prompts is None
             and self._lora is None
-            and not any(s.broken or s.pending is not None for s in spans)
+            and not any(s.lost or s.pending is not None for s in spans)
             and all(a.span.end == b.span.start for a, b in zip(spans, spans[1:], strict=False))
             and spans[0].span.start == self.start
             and spans[-1].span.end == self.end
@@ -470,7 +476,7 @@ class InferenceSession:
         for index, span_session in enumerate(self._spans):
             if span_session.pending is not None and span_session.pending.hypo_ids is None:
                 span_session.pending = None
-            if span_session.pending is None and not span_session.broken:
+            if span_session.pending is None and not span_session.lost:
                 repaired.append(span_session)
                 continue
             if not span_session.broken:
@@ -492,13 +498,14 @@ class InferenceSession:
             while position < end:
                 for span in await retry.route(position, end, tokens=batch, session_tokens=batch * self.max_length):
                     span_session = _SpanSession(self.manager, span, self.start)
+                    opened.append(span_session)  # closed below by any failure, an interrupted open's included
                     try:
                         await span_session.open(batch, self.max_length)
                     except RemoteCallError as e:
+                        opened.pop()
                         await span_session.close()
                         retry.failed(span, e)
                         break
-                    opened.append(span_session)
                     position = span.end
             return opened
         except BaseException:

@@ -190,6 +190,9 @@ class SpanStream:
         self._stream: PeerStream | None = None
         self._replies: AsyncIterator[runtime_pb2.ExpertResponse] | None = None
         self.last_reply: ReplyHeader | None = None  # the header of the last reply read
+        # a message was sent (or a pushed reply awaited) and its reply never read, as when the caller was interrupted:
+        # that reply may still arrive, so the stream cannot carry another step (its next read would take it)
+        self.out_of_step = False
 
     async def exchange(
         self, header: _Header, tensors: Sequence[torch.Tensor], expected: Sequence[Expected] | None = None
@@ -210,8 +213,10 @@ class SpanStream:
                     peer = await self.manager.ensure_connected(self.peer_id)
                     self._stream = await PeerStream.open(self.manager.p2p, peer, self.method)
                     self._replies = self._stream.replies()
+                self.out_of_step = True
                 await self._stream.send(encode(marked(header, wire), sent, runtime_pb2.ExpertRequest))
         message = await self._read(wire_expected, deadline)
+        self.out_of_step = False
         reply, outputs = _checked(self.manager, message, self.method, self.peer_id, time.perf_counter() - began)
         elapsed_s = time.perf_counter() - began
         accepted = self._accept(reply, outputs, expected, getattr(header, "kind", self.method), elapsed_s)
@@ -224,7 +229,9 @@ class SpanStream:
         began = time.perf_counter()
         deadline = asyncio.get_running_loop().time() + self.manager.config.request_timeout_s
         upstreams = () if upstream is None else (upstream,)
+        self.out_of_step = True
         message = await self._read(expected_on_wire(expected, self.manager.wire), deadline, upstreams)
+        self.out_of_step = False
         reply, outputs = check_reply(message, self.method, self.peer_id)
         return self._accept(reply, outputs, expected, "pushed step", time.perf_counter() - began)
 
