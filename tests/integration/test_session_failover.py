@@ -87,8 +87,10 @@ def wait_for(condition: callable, timeout_s: float = 10.0) -> bool:
 
 def test_a_refused_open_closes_the_streams_it_opened_and_the_next_step_works(model, swarm, span) -> None:
     layers, first = model.model.layers, swarm.servers[0]
-    # sessions holding the whole cache of both servers of block 2: no route through block 2 can open
-    blockers = [layers[2:4].inference_session(max_length=CACHE_TOKENS) for _ in range(2)]
+    # sessions holding the whole cache of both servers of block 2: no route through block 2 can open. A session
+    # reserves cache at the blocks it uses only: 96 tokens at 2 blocks fill the 2:5 server (64 tokens x 3 blocks)
+    # and fit nowhere else, then 64 tokens at 2 blocks fill the 2:4 one
+    blockers = [layers[2:4].inference_session(max_length=length) for length in (CACHE_TOKENS * 3 // 2, CACHE_TOKENS)]
     for blocker in blockers:
         blocker.step(randn(1, 1, HIDDEN_SIZE, seed=0))
     assert {s.span.peer_id for b in blockers for s in b._spans} == {swarm.servers[1].peer_id, swarm.servers[3].peer_id}
