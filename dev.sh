@@ -52,7 +52,9 @@ build_docs() {
 case "${1:-}" in
     setup) setup ;;
     demo) setup; shift; exec "$VENV/bin/swarmlm" demo "$@" ;;
-    test) setup_test; shift; "$VENV/bin/ruff" check src tests bench; "$VENV/bin/mypy"; build_docs
+    test) setup_test; shift
+          "$VENV/bin/ruff" check src tests bench; "$VENV/bin/ruff" format --check src tests bench; "$VENV/bin/mypy"
+          build_docs
           exec "$PY" -m pytest "$@" ;;
     bench) setup; shift; exec "$PY" bench/run.py "$@" ;;
     docs) install_deps test; shift; NO_MKDOCS_2_WARNING=1 exec "$VENV/bin/mkdocs" serve "$@" ;;

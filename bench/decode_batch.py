@@ -46,8 +46,10 @@ def main() -> None:
     layout = "row-major" if args.row_major else "column-major"
     cache_kind = "DynamicCache" if args.hf_cache else "GrowingCache"
     hidden_size = span.config.hidden_size
-    print(f"model {args.model}, blocks 0:{blocks} (fp32, {layout} Linear weights), sessions in {cache_kind}, "
-          f"{args.threads} torch thread(s); ms per decode step")
+    print(
+        f"model {args.model}, blocks 0:{blocks} (fp32, {layout} Linear weights), sessions in {cache_kind}, "
+        f"{args.threads} torch thread(s); ms per decode step"
+    )
     print(f"\n{'cached tokens':>14}{'sessions':>10}{'batched':>10}{'one by one':>12}{'ratio':>8}")
     with torch.inference_mode():
         for past in args.past:

@@ -66,5 +66,6 @@ def main() -> None:
                 a, b, c = (statistics.median(times[name][2:]) * 1e3 for name in ways)
                 print(f"{threads:>8}{rows:>6}{a:>10.2f}{b:>12.2f}{c:>8.2f}{c / b:>12.2f}")
 
+
 if __name__ == "__main__":
     main()

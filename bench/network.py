@@ -155,8 +155,10 @@ def main() -> None:
     del local
     print(f"torch threads {args.threads} (local and each server), {args.new_tokens} new tokens, greedy, fp32")
     print(f"local: decode {local_rate:.1f} tokens/s, forward {FORWARD_SHAPE} {local_forward:.0f} tokens/s")
-    print("relayed: the client sends each step to every server in turn; push: servers pass it on; +lookup: prompt "
-          f"lookup proposes {LOOKUP_TOKENS} tokens a step. Ratios against relayed decoding of the same task.")
+    print(
+        "relayed: the client sends each step to every server in turn; push: servers pass it on; +lookup: prompt "
+        f"lookup proposes {LOOKUP_TOKENS} tokens a step. Ratios against relayed decoding of the same task."
+    )
     modes = [  # (task, label, client options, generate options)
         ("chat", "relayed", {"use_push": False}, {}),
         ("chat", "push", {}, {}),
@@ -194,6 +196,7 @@ def main() -> None:
     forwards = [(Setting(2, 20), "float32"), (Setting(2, 20, 50), "float32"), (Setting(2, 20, 50), "bfloat16"),
                 (Setting(2, 20, 50), "int8")]  # fmt: skip
     for setting, wire in [] if args.decode_only else forwards:
+
         def forward(connect: Any) -> float:
             return forward_tokens_per_s(connect(), args.repeats)
 

@@ -21,7 +21,6 @@ BEGAN_LINE = "SLOW request began"
 TEMPTING_THROUGHPUT = 1e9
 
 
-
 def _delayed(method, delay_s: float):  # wraps SpanBackend.run and SpanBackend.step alike
     async def delayed(self, *args, **kwargs):
         print(BEGAN_LINE, flush=True)

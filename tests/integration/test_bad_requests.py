@@ -95,7 +95,9 @@ CASES = {
     "infinite values": (good_header(), [torch.full((1, 4, 64), float("inf"))], "NaN or infinite"),
     "missing tensor": (good_header(tensors=["hidden", "position_ids"]), [HIDDEN], "names 2 tensors"),
     "bad mask shape": (
-        good_header(tensors=["hidden", "attention_mask"]), [HIDDEN, torch.ones(1, 3)], "attention_mask"
+        good_header(tensors=["hidden", "attention_mask"]),
+        [HIDDEN, torch.ones(1, 3)],
+        "attention_mask",
     ),
     "positions beyond context": (
         good_header(tensors=["hidden", "position_ids"]),
@@ -103,10 +105,14 @@ CASES = {
         "position_ids must lie",
     ),
     "tensors out of order": (
-        {**V1, "tensors": ["hidden", "prompts", "position_ids"]}, [HIDDEN, HIDDEN, HIDDEN], "in the order"
+        {**V1, "tensors": ["hidden", "prompts", "position_ids"]},
+        [HIDDEN, HIDDEN, HIDDEN],
+        "in the order",
     ),
     "tensor not allowed in a forward": (
-        {**V1, "tensors": ["hidden", "grad_outputs"]}, [HIDDEN, HIDDEN], "not expected"
+        {**V1, "tensors": ["hidden", "grad_outputs"]},
+        [HIDDEN, HIDDEN],
+        "not expected",
     ),
     "sequence beyond the context": (good_header(), [torch.randn(1, 300, 64)], "longer than the model's context"),
     "unknown version": ({**V1, "protocol_version": 99}, [HIDDEN], "unsupported protocol version 99"),
@@ -140,7 +146,8 @@ CASES = {
     ),
     # rank 2 on q_proj (64 -> 64) and v_proj (64 -> 32) of one block: 2 * (64 + 64) + 2 * (64 + 32) = 448 values
     "LoRA weights of the wrong size": (
-        ForwardRequest(start_block=0, end_block=1, tensors=["hidden", "lora"], lora=LORA), [HIDDEN, torch.zeros(447)],
+        ForwardRequest(start_block=0, end_block=1, tensors=["hidden", "lora"], lora=LORA),
+        [HIDDEN, torch.zeros(447)],
         "lora must be a flat tensor of 448 values",
     ),
     "LoRA weights as a matrix": (
@@ -149,7 +156,8 @@ CASES = {
         "lora must be a flat tensor of 448 values",
     ),
     "LoRA weights of too many blocks": (
-        ForwardRequest(start_block=0, end_block=1, tensors=["hidden", "lora"], lora=LORA), [HIDDEN, torch.zeros(896)],
+        ForwardRequest(start_block=0, end_block=1, tensors=["hidden", "lora"], lora=LORA),
+        [HIDDEN, torch.zeros(896)],
         "got shape (896,)",
     ),
     "NaN LoRA weights": (
@@ -165,7 +173,8 @@ CASES = {
         "LoRA targets do not fit this model",
     ),
     "LoRA weights without their description": (
-        ForwardRequest(start_block=0, end_block=1, tensors=["hidden", "lora"]), [HIDDEN, torch.zeros(448)],
+        ForwardRequest(start_block=0, end_block=1, tensors=["hidden", "lora"]),
+        [HIDDEN, torch.zeros(448)],
         "travel as a 'lora' tensor",
     ),
     "LoRA rank above the limit": (

@@ -165,4 +165,3 @@ def test_a_slow_server_that_answers_pings_is_waited_for(tiny_model_dir: Path, sw
         assert (logits - expected).abs().max().item() <= LOGITS_ATOL
     finally:
         swarm.kill(slow)
-

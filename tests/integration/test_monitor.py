@@ -117,4 +117,3 @@ def test_page_shows_three_servers_then_the_gap_of_a_killed_one(page: Any, swarm:
     assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth + 1")
     page.screenshot(path=str(ARTIFACTS / "monitor-phone.png"), full_page=True)
     print(f"\nthe gap showed {shown_after:.1f} s after the kill; screenshots in {ARTIFACTS}")
-

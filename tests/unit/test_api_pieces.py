@@ -191,10 +191,21 @@ def test_token_names_give_raw_bytes_and_text() -> None:
     assert [sentencepiece.bytes_of(t) for t in range(3)] == [b" the", b"\xe2", "é".encode()]
     entry = TokenLogprob(0, -0.5, ((0, -0.5), (1, -1.5)), 7)
     chat = chat_content([entry], names)["content"][0]
-    assert chat == {"token": " w", "logprob": -0.5, "bytes": [32, 119], "top_logprobs": [
-        {"token": " w", "logprob": -0.5, "bytes": [32, 119]}, {"token": "é", "logprob": -1.5, "bytes": [195, 169]}]}
+    assert chat == {
+        "token": " w",
+        "logprob": -0.5,
+        "bytes": [32, 119],
+        "top_logprobs": [
+            {"token": " w", "logprob": -0.5, "bytes": [32, 119]},
+            {"token": "é", "logprob": -1.5, "bytes": [195, 169]},
+        ],
+    }
     assert completion_lists([TokenLogprob(3, -2.0, ((0, -0.5),), 4)], names) == {
-        "tokens": ["\n"], "token_logprobs": [-2.0], "top_logprobs": [{" w": -0.5, "\n": -2.0}], "text_offset": [4]}
+        "tokens": ["\n"],
+        "token_logprobs": [-2.0],
+        "top_logprobs": [{" w": -0.5, "\n": -2.0}],
+        "text_offset": [4],
+    }
 
 
 def test_choice_text_knows_where_each_token_begins() -> None:

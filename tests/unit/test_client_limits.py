@@ -26,8 +26,9 @@ def test_fitting_tokens_is_the_weakest_blocks_best_server() -> None:
 def _manager(limits: dict[str, int | None]) -> SequenceManager:
     manager = SequenceManager(ClientConfig(missing_blocks_timeout_s=0.0), "test", num_blocks=4)
     manager.view.servers = {
-        peer: SimpleNamespace(start=0, end=4, throughput=100.0, max_tokens_per_request=limit, sessions_open=0,
-                              queue_depth=0.0)  # type: ignore[misc]
+        peer: SimpleNamespace(
+            start=0, end=4, throughput=100.0, max_tokens_per_request=limit, sessions_open=0, queue_depth=0.0
+        )  # type: ignore[misc]
         for peer, limit in limits.items()
     }
     return manager

@@ -166,7 +166,6 @@ def test_the_manager_keeps_the_replica_it_used_last() -> None:
     assert all(asyncio.run(manager.make_route(0, 4)) == first for _ in range(30))
 
 
-
 def test_a_failed_or_busy_server_loses_its_preference() -> None:
     manager = _manager({"a": _record(), "b": _record()})
     for avoid in (manager.ban, manager.cool_down):

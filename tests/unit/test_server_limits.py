@@ -156,7 +156,16 @@ class FailingBackend:
         self.touch_cache = touch_cache
 
     async def step(  # noqa: ANN201
-        self, cache, start, end, inputs, chunk_tokens, start_from=None, peer="", adapter=None, lora=None  # noqa: ANN001
+        self,
+        cache,
+        start,
+        end,
+        inputs,
+        chunk_tokens,
+        start_from=None,
+        peer="",
+        adapter=None,
+        lora=None,  # noqa: ANN001
     ):
         if self.touch_cache:
             cache.update(torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 1, 4), 0)

@@ -23,7 +23,7 @@ def test_narrow_wire_rounds_floats_only_and_widens_replies_back(name: str) -> No
     assert [t.dtype for t in sent] == [wire, torch.int64, torch.float16]
     back = from_wire(sent[:1], [torch.float32])[0]
     assert back.dtype == torch.float32
-    assert torch.allclose(back, hidden, rtol=2 ** -7, atol=0)  # bf16 keeps 8 significant bits, fp16 11
+    assert torch.allclose(back, hidden, rtol=2**-7, atol=0)  # bf16 keeps 8 significant bits, fp16 11
 
 
 def test_unknown_wire_dtypes_are_refused() -> None:

@@ -149,8 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="start a local swarm and chat with the bundled model")
     demo.add_argument("--prompt", default="What is the capital of France?", help="what to ask")
     demo.add_argument("--servers", type=positive_int, default=2, help="how many local servers split the model")
-    demo.add_argument("--max-new-tokens", type=int, default=64,
-                      help="longest answer in tokens, in one-shot and chat modes (an answer cut there ends its turn)")
+    demo.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=64,
+        help="longest answer in tokens, in one-shot and chat modes (an answer cut there ends its turn)",
+    )
     demo.add_argument("--model", default=DEFAULT_MODEL, help="model to serve and chat with")
     demo.add_argument("--chat", action="store_true", help="chat interactively, keeping one session across turns")
     demo.add_argument("--api", action="store_true", help="serve the OpenAI-compatible API (and monitor) on the swarm")

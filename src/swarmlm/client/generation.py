@@ -88,6 +88,7 @@ class RemoteGenerationMixin(_ModelBase):
     @property
     def _active_sessions(self) -> list[InferenceSession]:
         return self._session_stacks.stack
+
     if TYPE_CHECKING:  # set by DistributedCausalLMMixin, and the HF decoder of the class mixed into
         family: ModelFamily
         prompt_tuning: PromptTuning | None

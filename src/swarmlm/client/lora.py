@@ -117,4 +117,3 @@ class LoraTuning(nn.Module):
                     if tensors[key].shape != param.shape:
                         raise ValueError(f"{key} in {directory} has shape {tuple(tensors[key].shape)}")
                     param.copy_(tensors[key])
-

@@ -66,7 +66,10 @@ class SequenceManager:
         self.p2p: P2P | None = None
         self.view = SwarmView(
             ServerFilter.of(
-                fingerprint, config.accepted_dtypes, config.allowed_servers, config.blocked_servers,
+                fingerprint,
+                config.accepted_dtypes,
+                config.allowed_servers,
+                config.blocked_servers,
                 adapter=config.active_adapter,
             )  # fmt: skip
         )
@@ -171,7 +174,12 @@ class SequenceManager:
         return find_route(views, start, end, banned=self._excluded(tokens, avoid), tokens=tokens) is not None
 
     async def make_route(
-        self, start: int, end: int, tokens: int = 1, avoid: Collection[str] = (), session_tokens: int | None = None,
+        self,
+        start: int,
+        end: int,
+        tokens: int = 1,
+        avoid: Collection[str] = (),
+        session_tokens: int | None = None,
         spread: bool = True,
     ) -> list[RouteSpan]:
         """A route over blocks [start, end) for `tokens` tokens, without the servers in `avoid`; waits for missing

@@ -67,9 +67,7 @@ class NetSwarm(LocalSwarm):
         with self.bed.inside(self.client_host):
             yield
 
-    def add_server(
-        self, start: int = 0, end: int = 0, *, link: Link = Link(), **kwargs: Any
-    ) -> LocalServer:
+    def add_server(self, start: int = 0, end: int = 0, *, link: Link = Link(), **kwargs: Any) -> LocalServer:
         self._next_link = link
         return super().add_server(start, end, **kwargs)
 

@@ -156,8 +156,16 @@ class SpanBackend:
         return results, spent * 1000
 
     async def step(
-        self, cache: DynamicCache, start: int, end: int, inputs: SpanTensors, chunk_tokens: int,
-        start_from: int | None = None, peer: str = "", adapter: str | None = None, lora: LoraWeights | None = None,
+        self,
+        cache: DynamicCache,
+        start: int,
+        end: int,
+        inputs: SpanTensors,
+        chunk_tokens: int,
+        start_from: int | None = None,
+        peer: str = "",
+        adapter: str | None = None,
+        lora: LoraWeights | None = None,
     ) -> tuple[list[torch.Tensor], float]:
         """One inference step of a session owning `cache`: [hidden states of the new tokens], compute time in ms.
 
@@ -212,8 +220,15 @@ class SpanBackend:
         return [([result], compute_ms) for result in results]
 
     def _step(
-        self, cache: DynamicCache, start: int, end: int, inputs: SpanTensors, chunk_tokens: int,
-        start_from: int | None, adapter: str | None = None, lora: LoraWeights | None = None,
+        self,
+        cache: DynamicCache,
+        start: int,
+        end: int,
+        inputs: SpanTensors,
+        chunk_tokens: int,
+        start_from: int | None,
+        adapter: str | None = None,
+        lora: LoraWeights | None = None,
     ) -> tuple[list[torch.Tensor], float]:
         began = time.perf_counter()
         with torch.inference_mode():

@@ -43,6 +43,7 @@ class Pusher(Protocol):
         """Close the stream to that session."""
         ...
 
+
 Message = tuple[InferenceStep, list]
 
 
@@ -244,8 +245,15 @@ class InferenceSessions:
             before = _lengths(cache, session)
             try:
                 outputs, compute_ms = await self.backend.step(
-                    cache, session.start_block, session.end_block, inputs, self.chunk_tokens,
-                    header.start_from_position, peer=peer, adapter=session.adapter, lora=held.weights,
+                    cache,
+                    session.start_block,
+                    session.end_block,
+                    inputs,
+                    self.chunk_tokens,
+                    header.start_from_position,
+                    peer=peer,
+                    adapter=session.adapter,
+                    lora=held.weights,
                 )
             except Exception as e:  # noqa: BLE001 - a failed step is answered; it never kills the stream raw
                 intact = inputs.hypo_ids is None and _lengths(cache, session) == before

@@ -48,8 +48,10 @@ def can_join(a: JoinableRequest, b: JoinableRequest) -> bool:
     """Requests with their own LoRA weights never join: each runs with its own weights, alone."""
     if a.inputs.lora is not None or b.inputs.lora is not None:
         return False
-    return (a.start, a.end) == (b.start, b.end) and a.inputs.hypo_ids is None and _signature(a.inputs) == _signature(
-        b.inputs
+    return (
+        (a.start, a.end) == (b.start, b.end)
+        and a.inputs.hypo_ids is None
+        and _signature(a.inputs) == _signature(b.inputs)
     )
 
 

@@ -95,4 +95,3 @@ async def refuse_outsider(
     # then discard (a bounded amount of) what it still sends, so its writes do not break its pipe before it reads
     with contextlib.suppress(TimeoutError, ProtocolError):
         await asyncio.wait_for(drain(requests, OUTSIDER_DRAIN_BYTES), JOIN_TIMEOUT_S)
-

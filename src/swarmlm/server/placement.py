@@ -62,9 +62,7 @@ def bottleneck(throughputs: list[float]) -> float:
     return min(throughputs, default=0.0)
 
 
-def should_move(
-    num_blocks_total: int, me: str, servers: Mapping[str, ServerRecord], quality: float
-) -> Span | None:
+def should_move(num_blocks_total: int, me: str, servers: Mapping[str, ServerRecord], quality: float) -> Span | None:
     """The span this server (whose record is servers[me]) should move to, or None to stay.
 
     It moves when its best span would raise the swarm's bottleneck enough: current < quality * after the move (as

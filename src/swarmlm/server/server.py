@@ -188,8 +188,9 @@ class Server:
             raise RuntimeError("the server's DHT is started by run()")
         record = self._record(state)
         if not await announce(self.dht, self.dht_prefix, self.peer_id, record, self.config.record_ttl_s):
-            logger.warning("Storing the DHT record (%s) failed; next try in %.0f s",
-                           state, self.config.announce_interval_s)
+            logger.warning(
+                "Storing the DHT record (%s) failed; next try in %.0f s", state, self.config.announce_interval_s
+            )
         if self.config.swarm_key is not None:
             return record  # a private swarm lists no model in the open catalog (its records are sealed)
         entry = CatalogEntry(dht_prefix=self.dht_prefix, model=self.model_name.display,
@@ -379,4 +380,3 @@ class Server:
         sessions.reopen()
         await self._announce(ServerState.ONLINE)
         self._print_serving()
-

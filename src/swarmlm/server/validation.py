@@ -57,9 +57,7 @@ def check_blocks(start: int, end: int, limits: SpanLimits) -> None:
         )
 
 
-def check_hidden(
-    hidden: torch.Tensor, limits: SpanLimits, what: str = "hidden_states", min_seq: int = 1
-) -> None:
+def check_hidden(hidden: torch.Tensor, limits: SpanLimits, what: str = "hidden_states", min_seq: int = 1) -> None:
     if hidden.dtype not in HIDDEN_DTYPES:
         raise ProtocolError(f"{what} must be float32, bfloat16 or float16, not {hidden.dtype}")
     if hidden.ndim != 3 or hidden.shape[0] < 1 or hidden.shape[1] < min_seq:
