@@ -18,7 +18,7 @@ from swarmlm.protocol.messages import ServerInfo
 from swarmlm.server.load import DepthMeter, turns_ahead
 from swarmlm.server.scheduler import BatchLimits, Kind, Scheduler
 from swarmlm.swarm.records import ServerRecord, ServerState
-from tests.unit.test_scheduler import decode, task
+from tests.unit.test_scheduler import FakeClock, decode, task
 
 
 def test_decode_steps_share_a_turn_and_other_work_takes_one_each() -> None:
@@ -44,14 +44,19 @@ def test_the_depth_meter_averages_over_time() -> None:
 
 
 def test_the_scheduler_measures_the_work_waiting_behind_a_busy_thread() -> None:
-    release = threading.Event()
+    release, started, clock = threading.Event(), threading.Event(), FakeClock()
+
+    def blocking() -> bool:
+        started.set()
+        return release.wait(10)
 
     async def main() -> tuple[float, float]:
-        scheduler = Scheduler(ThreadPoolExecutor(1), lambda steps: [None] * len(steps), BatchLimits())
+        scheduler = Scheduler(ThreadPoolExecutor(1), lambda steps: [None] * len(steps), BatchLimits(), clock=clock)
         scheduler.depth = DepthMeter(time_constant_s=0.05)
         idle = scheduler.queue_depth()
-        running = [asyncio.ensure_future(scheduler.submit(Kind.FORWARD, f"p{i}", release.wait)) for i in range(4)]
-        await asyncio.sleep(0.5)  # one runs, three wait: the average climbs to 3
+        running = [asyncio.ensure_future(scheduler.submit(Kind.FORWARD, f"p{i}", blocking)) for i in range(4)]
+        await asyncio.to_thread(started.wait, 10)
+        clock.advance(0.5)  # one runs, three wait for ten time constants: the average climbs to 3
         busy = scheduler.queue_depth()
         release.set()
         await asyncio.gather(*running)

@@ -1,9 +1,11 @@
-"""The server's scheduler: class priorities, fair share between peers, batch formation; no sockets."""
+"""The server's scheduler: class priorities, fair share between peers, batch formation, and the timing of decode
+cohorts, decided under a fake clock; a few runs of the async executor. No sockets."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -12,12 +14,13 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from swarmlm.server.scheduler import BatchLimits, DecodeStep, Kind, Scheduler, Task, next_batch
+from swarmlm.server.scheduling import Decision, SchedulerState, schedule
 
 LIMITS = BatchLimits(max_sessions=3, max_rows=4)
 
 
 def task(kind: Kind, peer: str, seq: int, decode: DecodeStep | None = None) -> Task:
-    return Task(kind, peer, seq, run=lambda: seq, decode=decode)
+    return Task(kind, peer, seq, decode=decode)
 
 
 def decode(start: int = 0, end: int = 5, rows: int = 1, cache: DynamicCache | None = None) -> DecodeStep:
@@ -127,6 +130,19 @@ def test_one_cache_is_never_twice_in_a_batch() -> None:
     assert seqs(next_batch(queue, LIMITS, {})) == [0]
 
 
+class FakeClock:
+    """A clock that moves only when a test moves it: the scheduler's timing rules read it instead of the real one."""
+
+    def __init__(self, now: float = 100.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
 @pytest.mark.parametrize(
     ("stages", "hold_s", "batched"),
     [(1, 0.05, [3]), (3, 1.1, [3]), (3, 0.05, [])],
@@ -135,8 +151,8 @@ def test_one_cache_is_never_twice_in_a_batch() -> None:
 def test_decode_steps_batch_while_the_compute_thread_is_busy(stages: int, hold_s: float, batched: list[int]) -> None:
     """What arrives while the thread works runs next as one batch; results go to their own callers. A server holding
     a third of a chain runs the steps of a third of the sessions at a time (here one: a lone step runs by itself),
-    unless it is behind (busy all the last second): then it runs all it has at once."""
-    release = threading.Event()
+    unless it is behind (busy all the last second, on the fake clock): then it runs all it has at once."""
+    release, started, clock = threading.Event(), threading.Event(), FakeClock()
     batches: list[int] = []
 
     def run_decodes(steps: list[DecodeStep]) -> list[float]:
@@ -144,13 +160,16 @@ def test_decode_steps_batch_while_the_compute_thread_is_busy(stages: int, hold_s
         return [float(step.hidden[0, 0, 0]) for step in steps]
 
     def blocking() -> str:
+        started.set()
         release.wait(10)
+        clock.advance(hold_s)  # the forward held the thread this long
         return "forward done"
 
     async def main() -> list[object]:
-        scheduler = Scheduler(ThreadPoolExecutor(1), run_decodes, dataclasses.replace(LIMITS, stages=stages))
+        limits = dataclasses.replace(LIMITS, stages=stages)
+        scheduler = Scheduler(ThreadPoolExecutor(1), run_decodes, limits, clock=clock)
         first = asyncio.ensure_future(scheduler.submit(Kind.FORWARD, "x", blocking))
-        await asyncio.sleep(0.05)  # the forward holds the thread
+        await asyncio.to_thread(started.wait, 10)  # the forward holds the thread
         steps = [
             asyncio.ensure_future(
                 scheduler.submit(Kind.INFERENCE, p, lambda: "alone", DecodeStep(0, 5, torch.full((1, 1, 2), v),
@@ -158,7 +177,8 @@ def test_decode_steps_batch_while_the_compute_thread_is_busy(stages: int, hold_s
             )
             for v, p in [(1.0, "a"), (2.0, "b"), (3.0, "c")]
         ]  # fmt: skip
-        await asyncio.sleep(hold_s)
+        await asyncio.sleep(0)  # one turn of the loop: the steps queue behind the forward
+        assert len(scheduler.queue) == 3
         release.set()
         results = await asyncio.gather(first, *steps)
         alone = await scheduler.submit(Kind.INFERENCE, "a", lambda: "alone", decode())
@@ -175,23 +195,27 @@ def test_prompts_waiting_together_split_when_servers_come_after(later_stages: in
     forward; one with servers after it runs them in groups of ceil(4 / (1 + later_stages)) (the next server starts
     on the first group meanwhile; over 3 groups: 2, then the 2 left, which are not split again), each caller
     getting its own result."""
-    release = threading.Event()
+    release, started = threading.Event(), threading.Event()
     batches: list[int] = []
 
     def run_decodes(steps: list[DecodeStep]) -> list[int]:
         batches.append(len(steps))
         return [step.tokens for step in steps]
 
+    def blocking() -> bool:
+        started.set()
+        return release.wait(10)
+
     async def main() -> list[object]:
         limits = BatchLimits(stages=1 + later_stages, later_stages=later_stages)
-        scheduler = Scheduler(ThreadPoolExecutor(1), run_decodes, limits)
-        first = asyncio.ensure_future(scheduler.submit(Kind.FORWARD, "x", lambda: release.wait(10)))
-        await asyncio.sleep(0.05)  # the forward holds the thread
+        scheduler = Scheduler(ThreadPoolExecutor(1), run_decodes, limits, clock=FakeClock())
+        first = asyncio.ensure_future(scheduler.submit(Kind.FORWARD, "x", blocking))
+        await asyncio.to_thread(started.wait, 10)  # the forward holds the thread
         prompts = [
             asyncio.ensure_future(scheduler.submit(Kind.INFERENCE, "a", lambda: "alone", prompt(tokens, 1000)))
             for tokens in (10, 11, 12, 13)
         ]
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0)  # one turn of the loop: the prompts queue behind the forward
         release.set()
         return await asyncio.gather(first, *prompts)
 
@@ -219,79 +243,116 @@ def test_a_failure_reaches_its_callers_and_the_queue_goes_on() -> None:
 def test_inference_steps_run_between_the_blocks_of_a_long_request() -> None:
     """A long request runs a quantum (block) at a time: a step that arrives meanwhile waits one quantum, not all."""
     order: list[str] = []
-    started = threading.Event()
+    started, queued = threading.Event(), threading.Event()
 
     def long_forward():  # noqa: ANN202 - a generator, as SpanBackend._run_by_block
         for block in range(4):
             order.append(f"block {block}")
             started.set()
-            threading.Event().wait(0.05)
+            queued.wait(10)  # the first block ends once the step waits in the queue
             yield
         return "forward done"
 
     async def main() -> list[object]:
         scheduler = Scheduler(ThreadPoolExecutor(1), lambda steps: [], LIMITS)
         forward = asyncio.ensure_future(scheduler.submit(Kind.FORWARD, "trainer", long_forward))
-        await asyncio.to_thread(started.wait, 5)
-        step = await scheduler.submit(Kind.INFERENCE, "user", lambda: order.append("step") or "step done")
-        return [await forward, step]
+        await asyncio.to_thread(started.wait, 10)
+        step = asyncio.ensure_future(
+            scheduler.submit(Kind.INFERENCE, "user", lambda: order.append("step") or "step done")
+        )
+        await asyncio.sleep(0)  # one turn of the loop: the step is queued
+        queued.set()
+        return [await forward, await step]
 
     assert asyncio.run(main()) == ["forward done", "step done"]
-    # the step ran before the forward's last block: it waited for at most the block in progress
-    assert order.index("step") < order.index("block 3"), order
+    # the step ran right after the block in progress, before the forward's other blocks
+    assert order == ["block 0", "step", "block 1", "block 2", "block 3"], order
 
 
 def test_a_caller_that_gives_up_stops_its_long_request() -> None:
     ran: list[int] = []
+    started = threading.Event()
 
     def endless():  # noqa: ANN202
         while True:
             ran.append(1)
-            threading.Event().wait(0.01)
+            started.set()
             yield
 
     async def main() -> None:
         scheduler = Scheduler(ThreadPoolExecutor(1), lambda steps: [], LIMITS)
         forward = asyncio.ensure_future(scheduler.submit(Kind.FORWARD, "x", endless))
-        await asyncio.sleep(0.1)
+        await asyncio.to_thread(started.wait, 10)
         forward.cancel()
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0)
         done = len(ran)
-        await asyncio.sleep(0.1)
-        assert len(ran) <= done + 1  # no more quanta once its caller is gone
+        # another peer's request runs next; by then the forward ran at most the quantum in progress
+        at_turn = await scheduler.submit(Kind.FORWARD, "y", lambda: len(ran))
+        assert at_turn <= done + 1
         assert await scheduler.submit(Kind.FORWARD, "y", lambda: 7) == 7
+        assert len(ran) == at_turn  # no more quanta once its caller is gone
 
     asyncio.run(main())
 
 
+def test_a_decode_step_waits_for_a_session_due_within_the_wait_and_no_longer() -> None:
+    """The decision itself: session b steps every 100 ms (last at 0.0: next due at 0.1); a's step, queued at 0.06,
+    waits for it until 0.1 + the jitter slack, not until its own limit (0.16), and runs alone past that."""
+    limits, state = BatchLimits(decode_wait_s=0.1), SchedulerState()
+    a, b = decode(), decode()
+    state.track(b, -0.1)
+    state.track(b, 0.0)
+    queued = Task(Kind.INFERENCE, "a", 1, a, arrived=0.06)
+    state.track(a, 0.06)
+    assert schedule([queued], state, limits, 0.06) == Decision(wait_until=pytest.approx(0.105))
+    assert schedule([queued], state, limits, 0.106).batch == [queued]  # b is overdue: not waited for any more
+    state.forget(b.cache)
+    assert schedule([queued], state, limits, 0.06).batch == [queued]  # b ended: never waited for
+    assert schedule([queued], state, BatchLimits(decode_wait_s=0.0), 0.06).batch == [queued]
+
+
 def rhythmic_sessions(
-    limits: BatchLimits, offsets_s: list[float], intervals_s: list[float], steps: int, forget_after: int | None = None
-) -> tuple[list[int], list[list[float]]]:
-    """Sessions stepping every intervals_s[i], each starting at its offset; the sizes of the forwards that ran more
-    than one session and each session's per-step latency (queued to answered). With forget_after, session 1 ends
-    after that many steps."""
-    batches: list[int] = []
-
-    def run_decodes(steps: list[DecodeStep]) -> list[int]:
-        batches.append(len(steps))
-        return [0] * len(steps)
-
-    async def session(scheduler: Scheduler, index: int) -> list[float]:
-        cache, latencies, loop = DynamicCache(), [], asyncio.get_running_loop()
-        await asyncio.sleep(offsets_s[index])
-        for _ in range(forget_after if index == 1 and forget_after is not None else steps):
-            began = loop.time()
-            await scheduler.submit(Kind.INFERENCE, f"peer{index}", lambda: 0, decode(cache=cache))
-            latencies.append(loop.time() - began)
-            await asyncio.sleep(intervals_s[index])
-        scheduler.forget(cache)
-        return latencies
-
-    async def main() -> list[list[float]]:
-        scheduler = Scheduler(ThreadPoolExecutor(1), run_decodes, limits)
-        return await asyncio.gather(*(session(scheduler, i) for i in range(len(offsets_s))))
-
-    return batches, asyncio.run(main())
+    limits: BatchLimits, offsets_s: list[float], intervals_s: list[float], steps: int, forget_after: int | None = None,
+    compute_s: float = 0.002,
+) -> tuple[list[int], list[list[float]]]:  # fmt: skip
+    """Sessions stepping intervals_s[i] after each answer, each starting at its offset, simulated on a fake clock:
+    the compute thread runs what `schedule` decides, compute_s per batch, and a wait ends at its time or at the next
+    arrival (as the executor's). The sizes of the forwards that ran more than one session and each session's
+    per-step latency (queued to answered). With forget_after, session 1 ends after that many steps."""
+    state, queue, batches = SchedulerState(), [], []
+    caches = [DynamicCache() for _ in offsets_s]
+    left = [forget_after if i == 1 and forget_after is not None else steps for i in range(len(offsets_s))]
+    due: list[float | None] = list(offsets_s)  # each session's next step (or its end); None while a step waits
+    latencies: list[list[float]] = [[] for _ in offsets_s]
+    now, arrivals = 0.0, 0
+    while queue or any(at is not None for at in due):
+        for i, at in enumerate(due):
+            if at is None or at > now:
+                continue
+            due[i] = None
+            if left[i] == 0:
+                state.forget(caches[i])
+                continue
+            arrivals += 1
+            step = decode(cache=caches[i])
+            state.track(step, now)
+            queue.append(Task(Kind.INFERENCE, f"peer{i}", arrivals, step, arrived=now))
+        decision = schedule(queue, state, limits, now) if queue else Decision()
+        if decision.batch:
+            for queued in decision.batch:
+                queue.remove(queued)
+            state.served([queued.peer for queued in decision.batch], {queued.peer for queued in queue})
+            state.ran(now, now + compute_s)
+            now += compute_s
+            batches += [len(decision.batch)] if len(decision.batch) > 1 else []
+            for queued in decision.batch:
+                i = int(queued.peer.removeprefix("peer"))
+                latencies[i].append(now - queued.arrived)
+                left[i] -= 1
+                due[i] = now + intervals_s[i]
+            continue
+        now = min([at for at in due if at is not None] + [decision.wait_until or math.inf])
+    return batches, latencies
 
 
 def test_sessions_due_soon_are_waited_for_and_fall_into_step() -> None:
@@ -322,3 +383,12 @@ def test_a_server_in_a_chain_of_two_batches_half_the_active_sessions() -> None:
     chained, latencies = rhythmic_sessions(BatchLimits(decode_wait_s=0.1, stages=2), offsets, intervals, steps=8)
     assert max(chained) == 2 and chained.count(2) >= 8
     assert max(max(session) for session in latencies) < 0.1 + 0.05
+
+
+def test_a_server_behind_batches_every_step_it_has() -> None:
+    # the same four sessions on a server busy nearly all the time (each forward takes 95% of a step's interval):
+    # a chain of two no longer splits them into cohorts
+    offsets, intervals = [0.0, 0.01, 0.02, 0.03], [0.005] * 4
+    chained, _ = rhythmic_sessions(BatchLimits(decode_wait_s=0.1, stages=2), offsets, intervals, steps=8,
+                                   compute_s=0.1)  # fmt: skip
+    assert max(chained) == 4
