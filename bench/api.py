@@ -23,8 +23,8 @@ import torch
 
 from swarmlm.api.service import READY_LINE
 from swarmlm.client.model import AutoDistributedModelForCausalLM
-from swarmlm.local_swarm import LocalSwarm, even_spans
 from swarmlm.models.loading import DEFAULT_MODEL, load_config, load_tokenizer, resolve_model
+from swarmlm.tools.local_swarm import LocalSwarm, even_spans
 from swarmlm.utils.processes import spawn_bound
 
 QUESTIONS = [

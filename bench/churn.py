@@ -15,8 +15,8 @@ import torch
 from concurrency import Gaps  # bench/ is on the path when a benchmark runs as a script
 
 from swarmlm.client.model import AutoDistributedModelForCausalLM
-from swarmlm.local_swarm import LocalSwarm
 from swarmlm.models.loading import DEFAULT_MODEL, load_config, load_tokenizer, resolve_model
+from swarmlm.tools.local_swarm import LocalSwarm
 
 # short periods so that a run shows the whole cycle in about a minute
 SERVER_ARGS = ["--rebalance-interval", "5", "--announce-interval", "2", "--record-ttl", "6", "--drain-timeout", "5"]

@@ -22,8 +22,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from swarmlm.client.model import AutoDistributedModelForCausalLM
-from swarmlm.local_swarm import LocalSwarm, even_spans
 from swarmlm.models.loading import DEFAULT_MODEL, load_config, load_tokenizer, resolve_model
+from swarmlm.tools.local_swarm import LocalSwarm, even_spans
 
 QUESTIONS = [
     "What is the capital of France?", "Name three primary colors.", "Why is the sky blue?",

@@ -14,8 +14,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from swarmlm.client.model import AutoDistributedModelForCausalLM
-from swarmlm.local_swarm import LocalSwarm, even_spans
 from swarmlm.models.loading import DEFAULT_MODEL, load_config, load_tokenizer, resolve_model
+from swarmlm.tools.local_swarm import LocalSwarm, even_spans
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 KILL_AT_TOKEN = 16  # the mid-generation failure happens after this many new tokens

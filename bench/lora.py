@@ -15,8 +15,8 @@ from training import BATCH, SEQ  # bench/ is on the path when a benchmark runs a
 from transformers import AutoModelForCausalLM
 
 from swarmlm.client.model import AutoDistributedModelForCausalLM
-from swarmlm.local_swarm import LocalSwarm, even_spans
 from swarmlm.models.loading import DEFAULT_MODEL, load_config, resolve_model
+from swarmlm.tools.local_swarm import LocalSwarm, even_spans
 
 RANK, ALPHA, TARGETS = 8, 16, ("q_proj", "v_proj")
 

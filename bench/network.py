@@ -1,4 +1,4 @@
-"""Benchmark: greedy decoding and a batched forward through swarms of emulated hosts (swarmlm.netbed) at emulated
+"""Benchmark: greedy decoding and a batched forward through swarms of emulated hosts (swarmlm.tools.netbed) at emulated
 round-trip times and link rates, with ratios against one local process (same weights, fp32).
 
 Each server runs on a host of its own behind a link of the given one-way delay (half the RTT) and rate; the client
@@ -24,10 +24,10 @@ from generation import measure  # bench/ is on the path when a benchmark runs as
 from transformers import AutoModelForCausalLM
 
 from swarmlm.client.model import AutoDistributedModelForCausalLM
-from swarmlm.local_swarm import even_spans
 from swarmlm.models.loading import DEFAULT_MODEL, load_config, load_tokenizer, resolve_model
-from swarmlm.netbed import hosts
-from swarmlm.netbed.swarm import Link, NetSwarm
+from swarmlm.tools.local_swarm import even_spans
+from swarmlm.tools.netbed import hosts
+from swarmlm.tools.netbed.swarm import Link, NetSwarm
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 # an answer that copies its question: prompt lookup proposes most of it

@@ -17,8 +17,8 @@ import transformers
 
 from swarmlm.client.model import AutoDistributedModelForCausalLM
 from swarmlm.config import ClientConfig
-from swarmlm.local_swarm import LocalSwarm, even_spans
 from swarmlm.models.loading import DEFAULT_MODEL, load_config, resolve_model
+from swarmlm.tools.local_swarm import LocalSwarm, even_spans
 
 BATCH, SEQ = 8, 128  # the throughput workload: BATCH sequences of SEQ tokens in one forward call
 MAX_LOGITS_DIFF = 1e-3  # largest tolerated |swarm - local| of any logit

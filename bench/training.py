@@ -13,8 +13,8 @@ from transformers import AutoModelForCausalLM
 
 from swarmlm.client.model import AutoDistributedModelForCausalLM
 from swarmlm.client.prompts import PromptTuning
-from swarmlm.local_swarm import LocalSwarm, even_spans
 from swarmlm.models.loading import DEFAULT_MODEL, load_config, resolve_model
+from swarmlm.tools.local_swarm import LocalSwarm, even_spans
 
 BATCH, SEQ, PRE_SEQ_LEN = 4, 64, 8
 

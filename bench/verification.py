@@ -24,8 +24,8 @@ import torch
 
 from swarmlm.client.model import AutoDistributedModelForCausalLM
 from swarmlm.config import ClientConfig
-from swarmlm.local_swarm import LocalServer, LocalSwarm
 from swarmlm.models.loading import DEFAULT_MODEL, load_config, resolve_model
+from swarmlm.tools.local_swarm import LocalServer, LocalSwarm
 from swarmlm.utils.processes import spawn_bound
 
 HOSTILE_SCRIPT = Path(__file__).resolve().parent.parent / "tests" / "integration" / "hostile_server.py"

@@ -13,8 +13,8 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from swarmlm import AutoDistributedModelForCausalLM
-from swarmlm.local_swarm import LocalSwarm
 from swarmlm.models.loading import DEFAULT_MODEL, load_config, resolve_model
+from swarmlm.tools.local_swarm import LocalSwarm
 
 # fp32 logits through the swarm must match a local run this closely
 LOGITS_ATOL = 1e-4

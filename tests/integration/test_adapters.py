@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from swarmlm.errors import MissingBlocksError
-from swarmlm.local_swarm import LocalSwarm
+from swarmlm.tools.local_swarm import LocalSwarm
 from tests.conftest import LOGITS_ATOL, connected_model, load_reference
 from tests.integration.test_backward_tiny import assert_close, gradients
 from tests.tiny_families import build_adapter, build_tiny, load_peft_reference

@@ -19,7 +19,7 @@ import torch
 from transformers import AutoTokenizer
 
 from swarmlm.api.service import READY_LINE
-from swarmlm.local_swarm import LocalSwarm
+from swarmlm.tools.local_swarm import LocalSwarm
 from tests.conftest import connected_model, load_reference, running_swarm
 from tests.integration.http_process import http_process
 

@@ -17,9 +17,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.p2p import PeerID
 
 from swarmlm.errors import UnreachablePeersError
-from swarmlm.local_swarm import READY_LINE
 from swarmlm.swarm.dht import BOOTSTRAP_ATTEMPTS, BOOTSTRAP_RETRY_S, start_dht
 from swarmlm.swarm.identity import peer_id_bytes
+from swarmlm.tools.local_swarm import READY_LINE
 from swarmlm.utils.processes import spawn_bound
 from tests.conftest import LOGITS_ATOL, load_reference
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from swarmlm.errors import BadRequestError, RemoteCallError
-from swarmlm.local_swarm import LocalServer, LocalSwarm
+from swarmlm.tools.local_swarm import LocalServer, LocalSwarm
 from swarmlm.utils.processes import spawn_bound
 from tests.conftest import LOGITS_ATOL, connected_model, load_reference, running_swarm
 from tests.integration.hostile_server import CANCELLED_LINE, HUGE_REPLY_BYTES, SERVED_LINE

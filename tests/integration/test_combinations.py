@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F  # noqa: N812 - the usual name
 
 from swarmlm.errors import ConfigError
-from swarmlm.local_swarm import LocalSwarm
 from swarmlm.models.quant import quantize
+from swarmlm.tools.local_swarm import LocalSwarm
 from tests.conftest import LOGITS_ATOL, connected_model, load_reference, running_swarm
 from tests.integration.test_backward_tiny import GRAD_RTOL, local_deep_ptune_logits
 from tests.tiny_families import build_adapter

@@ -15,8 +15,8 @@ import pytest
 
 from swarmlm.api.service import READY_LINE
 from swarmlm.cli.main import build_parser
-from swarmlm.local_swarm import LocalSwarm
 from swarmlm.models.loading import DEFAULT_MODEL
+from swarmlm.tools.local_swarm import LocalSwarm
 from tests.conftest import running_swarm
 from tests.integration.http_process import http_process
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from swarmlm.local_swarm import LocalSwarm
 from swarmlm.models.loading import load_config
 from swarmlm.models.span import SpanModel
 from swarmlm.server.server import serving_dtype
+from swarmlm.tools.local_swarm import LocalSwarm
 from tests.conftest import build_tiny_llama, connected_model, running_swarm
 
 HIDDEN_SIZE = 64

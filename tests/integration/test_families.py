@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from swarmlm.local_swarm import LocalSwarm
 from swarmlm.models.loading import load_config
+from swarmlm.tools.local_swarm import LocalSwarm
 from tests.conftest import LOGITS_ATOL, connected_model, load_reference, running_swarm
 from tests.integration.test_backward_tiny import CHECKS_OFF, assert_close, gradients
 from tests.integration.test_lora_training import loss_and_grads

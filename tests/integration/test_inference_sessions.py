@@ -19,7 +19,6 @@ from swarmlm.client.sequence_manager import SequenceManager
 from swarmlm.client.span_call import SpanStream
 from swarmlm.config import ClientConfig
 from swarmlm.errors import BadRequestError, RemoteCallError
-from swarmlm.local_swarm import LocalSwarm
 from swarmlm.models.naming import default_dht_prefix
 from swarmlm.models.span import SpanModel
 from swarmlm.protocol import service
@@ -27,6 +26,7 @@ from swarmlm.protocol.bundle import SpanTensors
 from swarmlm.protocol.codec import encode, read_message
 from swarmlm.protocol.messages import InferenceOpen, InferenceStep, ReplyHeader
 from swarmlm.server.validation import max_message_bytes
+from swarmlm.tools.local_swarm import LocalSwarm
 from tests.conftest import running_swarm
 
 NUM_BLOCKS = 5

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from swarmlm.local_swarm import LocalServer, LocalSwarm
+from swarmlm.tools.local_swarm import LocalServer, LocalSwarm
 from swarmlm.utils.processes import spawn_bound
 from tests.conftest import LOGITS_ATOL, connected_model, load_reference, running_swarm
 from tests.integration.slow_server import BEGAN_LINE

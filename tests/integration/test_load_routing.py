@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from swarmlm.local_swarm import LocalServer
+from swarmlm.tools.local_swarm import LocalServer
 from tests.conftest import LOGITS_ATOL, connected_model, load_reference, running_swarm
 
 # seeds whose first draw between two tied replicas picks the first (1) and the second (0) of them in sorted order:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from swarmlm.local_swarm import LocalSwarm
+from swarmlm.tools.local_swarm import LocalSwarm
 from tests.conftest import LOGITS_ATOL, connected_model, load_reference, running_swarm
 from tests.integration.test_backward_tiny import CHECKS_OFF, assert_close
 

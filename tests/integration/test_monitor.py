@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from swarmlm.api.service import MONITOR_READY_LINE
-from swarmlm.local_swarm import LocalSwarm
+from swarmlm.tools.local_swarm import LocalSwarm
 from tests.conftest import running_swarm
 from tests.integration.http_process import SWARMLM, http_process
 

@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from swarmlm.netbed import hosts
-from swarmlm.netbed.hosts import NetBed
-from swarmlm.netbed.relay import LinkShape, serve
+from swarmlm.tools.netbed import hosts
+from swarmlm.tools.netbed.hosts import NetBed
+from swarmlm.tools.netbed.relay import LinkShape, serve
 
 needs_namespaces = pytest.mark.skipif(hosts.unavailable() is not None, reason=str(hosts.unavailable()))
 
@@ -99,7 +99,7 @@ def test_a_failure_inside_the_bed_still_removes_it() -> None:
 
 @needs_namespaces
 def test_what_a_killed_run_left_behind_is_removed_by_the_next() -> None:
-    script = "from swarmlm.netbed.hosts import NetBed; import json, time; b = NetBed(2); " \
+    script = "from swarmlm.tools.netbed.hosts import NetBed; import json, time; b = NetBed(2); " \
              "print(json.dumps([h.name for h in b.hosts] + [b.bridge]), flush=True); time.sleep(600)"  # fmt: skip
     run = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:

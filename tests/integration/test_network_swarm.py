@@ -1,4 +1,4 @@
-"""A swarm over emulated hosts (swarmlm.netbed): every server on a host of its own behind a delaying link, the
+"""A swarm over emulated hosts (swarmlm.tools.netbed): every server on a host of its own behind a delaying link, the
 client on another. Generation equals a local run across 50 ms links (also with steps pushed server to server, and
 with speculative decoding), also when a server is SIGKILLed mid-generation, and through a server behind NAT that is
 reached only through the bootstrap node's relay; the client routes through the nearer of two replicas from its first
@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from swarmlm import AutoDistributedModelForCausalLM
-from swarmlm.local_swarm import LocalServer
-from swarmlm.netbed import hosts
-from swarmlm.netbed.swarm import SERVER_PORT, Link, NetSwarm
+from swarmlm.tools.local_swarm import LocalServer
+from swarmlm.tools.netbed import hosts
+from swarmlm.tools.netbed.swarm import SERVER_PORT, Link, NetSwarm
 from tests.conftest import load_reference
 from tests.integration.test_push import local_greedy, pushes
 

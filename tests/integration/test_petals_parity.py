@@ -11,9 +11,9 @@ import torch
 
 from swarmlm import AutoDistributedModelForCausalLM
 from swarmlm.errors import SessionClosedError
-from swarmlm.local_swarm import LocalSwarm
 from swarmlm.models.naming import default_dht_prefix
 from swarmlm.models.span import SpanModel
+from swarmlm.tools.local_swarm import LocalSwarm
 from tests.conftest import LOGITS_ATOL, connected_model, load_reference, running_swarm
 
 NUM_BLOCKS = 5

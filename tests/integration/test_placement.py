@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from swarmlm.local_swarm import LocalServer, LocalSwarm
 from swarmlm.models.naming import default_dht_prefix
 from swarmlm.swarm.records import ServerRecord, ServerState, servers_key
+from swarmlm.tools.local_swarm import LocalServer, LocalSwarm
 from tests.conftest import LOGITS_ATOL, build_tiny_llama, connected_model, load_reference, running_swarm
 
 NUM_BLOCKS = 7

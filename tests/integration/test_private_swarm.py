@@ -15,12 +15,12 @@ from swarmlm.client.sequence_manager import SequenceManager
 from swarmlm.client.span_call import Expected, call_span
 from swarmlm.config import ClientConfig
 from swarmlm.errors import BadRequestError, MissingBlocksError, RemoteCallError, SwarmError
-from swarmlm.local_swarm import LocalSwarm
 from swarmlm.models.naming import default_dht_prefix
 from swarmlm.protocol.messages import ForwardRequest
 from swarmlm.swarm.dht import start_dht
 from swarmlm.swarm.private import OUTSIDER_REFUSAL, blind_prefix, generate_swarm_key, load_swarm_key
 from swarmlm.swarm.records import ServerRecord, ServerState, announce, fetch_servers, servers_key
+from swarmlm.tools.local_swarm import LocalSwarm
 from tests.conftest import LOGITS_ATOL, connected_model, load_reference, running_swarm
 
 IDS = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(7))

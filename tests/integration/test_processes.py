@@ -21,7 +21,7 @@ USER_SCRIPT = textwrap.dedent(
     import json, os, sys, time
     import psutil, torch
     from swarmlm.client.model import AutoDistributedModelForCausalLM
-    from swarmlm.local_swarm import LocalSwarm
+    from swarmlm.tools.local_swarm import LocalSwarm
 
     swarm = LocalSwarm(sys.argv[1], threads_per_server=1)
     swarm.start_servers([(0, 5)])

@@ -13,8 +13,8 @@ import torch
 
 from swarmlm.client.span_call import call_span
 from swarmlm.errors import BadRequestError
-from swarmlm.local_swarm import LocalSwarm
 from swarmlm.protocol.messages import PushStep
+from swarmlm.tools.local_swarm import LocalSwarm
 from tests.conftest import connected_model, load_reference, running_swarm
 
 SPANS = [(0, 2), (2, 4), (4, 5), (0, 5)]  # three servers in a chain, and one holding every block (the replica)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from swarmlm.local_swarm import LocalServer, LocalSwarm
+from swarmlm.tools.local_swarm import LocalServer, LocalSwarm
 from swarmlm.utils.processes import spawn_bound
 from tests.conftest import LOGITS_ATOL, connected_model, load_reference
 

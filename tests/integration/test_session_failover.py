@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from swarmlm.errors import MissingBlocksError, RemoteCallError, SwarmError
-from swarmlm.local_swarm import LocalServer, LocalSwarm
 from swarmlm.models.span import SpanModel
+from swarmlm.tools.local_swarm import LocalServer, LocalSwarm
 from tests.conftest import LOGITS_ATOL, connected_model, running_swarm
 
 NUM_BLOCKS = 5

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoTokenizer
 
 from swarmlm.client.inference import InferenceSession
-from swarmlm.local_swarm import LocalSwarm
+from swarmlm.tools.local_swarm import LocalSwarm
 from tests.conftest import connected_model, load_reference, running_swarm
 
 # a task whose answer copies its input: prompt lookup finds most of the output in the prompt

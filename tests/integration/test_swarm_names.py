@@ -20,8 +20,8 @@ import torch
 from transformers import AutoTokenizer
 
 from swarmlm.api.service import READY_LINE
-from swarmlm.demo import attach_lines
-from swarmlm.local_swarm import LocalSwarm
+from swarmlm.tools.demo import attach_lines
+from swarmlm.tools.local_swarm import LocalSwarm
 from swarmlm.utils.processes import spawn_bound
 from tests.conftest import LOGITS_ATOL, connected_model, load_reference, running_swarm
 from tests.integration.http_process import SWARMLM, http_process

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from swarmlm.local_swarm import LocalSwarm
 from swarmlm.models.loading import load_tokenizer
-from swarmlm.train import DEFAULT_LR, SentimentTask, load_examples, split_examples
+from swarmlm.tools.local_swarm import LocalSwarm
+from swarmlm.tools.train import DEFAULT_LR, SentimentTask, load_examples, split_examples
 from tests.conftest import connected_model, running_swarm
 
 

@@ -73,8 +73,9 @@ def test_the_wheel_installs_and_runs_without_the_checkout(tmp_path: Path) -> Non
     assert "--blocks" in run([swarmlm, "serve", "--help"], elsewhere)
     assert "--initial-peers" in run([swarmlm, "api", "--help"], elsewhere)
     data = (
-        "from swarmlm.api.app import STATIC; from swarmlm.client.rows_kernel import SOURCE; from swarmlm.train import "
-        "DATASET; print(all(p.is_file() for p in (STATIC / 'index.html', STATIC / 'monitor.js', SOURCE, DATASET)))"
+        "from swarmlm.api.app import STATIC; from swarmlm.client.rows_kernel import SOURCE; "
+        "from swarmlm.tools.train import DATASET; "
+        "print(all(p.is_file() for p in (STATIC / 'index.html', STATIC / 'monitor.js', SOURCE, DATASET)))"
     )
     assert run([python, "-c", data], elsewhere).strip() == "True", "package data is missing from the wheel"
 

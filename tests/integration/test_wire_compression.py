@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from swarmlm.local_swarm import LocalSwarm
+from swarmlm.tools.local_swarm import LocalSwarm
 from tests.conftest import LOGITS_ATOL, connected_model, load_reference, running_swarm
 
 # largest |logit difference| to a local fp32 run of this tiny model (its logits are of order 1) when hidden states

@@ -190,7 +190,7 @@ def test_an_identity_path_under_a_file_is_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_training_refuses_a_batch_larger_than_the_task_before_loading_the_model() -> None:
-    from swarmlm.train import TrainOptions, run_training
+    from swarmlm.tools.train import TrainOptions, run_training
 
     with pytest.raises(ConfigError, match=r"--batch-size 100000: must be from 1 up to \d+"):
         run_training(TrainOptions(model="/no/such/model", batch_size=100_000))

@@ -185,21 +185,21 @@ def test_bundles_with_lora_weights_never_join() -> None:
 
 
 def test_the_train_command_maps_lora_flags_to_from_pretrained_options(monkeypatch: pytest.MonkeyPatch) -> None:
-    import swarmlm.train
+    import swarmlm.tools.train
     from swarmlm.cli.main import main
 
-    seen: list[swarmlm.train.TrainOptions] = []
-    monkeypatch.setattr(swarmlm.train, "run_training", seen.append)
+    seen: list[swarmlm.tools.train.TrainOptions] = []
+    monkeypatch.setattr(swarmlm.tools.train, "run_training", seen.append)
     argv = ["train", "--tuning-mode", "lora", "--lora-rank", "4", "--lora-alpha", "8", "--lora-target-modules",
             "q_proj", "o_proj", "--save", "out"]  # fmt: skip
     assert main(argv) == 0
     (options,) = seen
     assert options.lr is None and options.save_dir == "out"
-    assert swarmlm.train.tuning_options(options) == dict(
+    assert swarmlm.tools.train.tuning_options(options) == dict(
         tuning_mode="lora", lora_rank=4, lora_alpha=8, lora_target_modules=("q_proj", "o_proj")
     )
     assert main(["train"]) == 0
-    assert swarmlm.train.tuning_options(seen[1]) == dict(tuning_mode="deep_ptune", pre_seq_len=8)
+    assert swarmlm.tools.train.tuning_options(seen[1]) == dict(tuning_mode="deep_ptune", pre_seq_len=8)
 
 
 def test_a_sessions_lora_weights_count_against_its_peers_memory_bound(span: SpanModel) -> None:

@@ -224,7 +224,7 @@ def _status(args: argparse.Namespace) -> None:
 
 
 def _train(args: argparse.Namespace) -> None:
-    from swarmlm.train import TrainOptions, run_training
+    from swarmlm.tools.train import TrainOptions, run_training
 
     run_training(
         TrainOptions(
@@ -310,7 +310,7 @@ def _dht(args: argparse.Namespace) -> None:
 
 
 def _demo(args: argparse.Namespace) -> None:
-    from swarmlm.demo import run_demo
+    from swarmlm.tools.demo import run_demo
 
     run_demo(
         prompt=args.prompt,

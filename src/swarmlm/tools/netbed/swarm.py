@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from swarmlm.errors import SwarmError
-from swarmlm.local_swarm import LocalServer, LocalSwarm
-from swarmlm.netbed.hosts import Host, NetBed
-from swarmlm.netbed.relay import READY_LINE
+from swarmlm.tools.local_swarm import LocalServer, LocalSwarm
+from swarmlm.tools.netbed.hosts import Host, NetBed
+from swarmlm.tools.netbed.relay import READY_LINE
 
 # every server listens on this port of its own host (hosts do not share ports)
 SERVER_PORT = 31337
@@ -89,7 +89,7 @@ class NetSwarm(LocalSwarm):
         if link.behind_nat:
             return self._launch_behind_nat(host, link, args, **popen_kwargs)
         relay = self.bed.spawn(host, [
-            sys.executable, "-m", "swarmlm.netbed.relay", "--listen", f"{host.address}:{SERVER_PORT}",
+            sys.executable, "-m", "swarmlm.tools.netbed.relay", "--listen", f"{host.address}:{SERVER_PORT}",
             "--to", f"127.0.0.1:{SERVER_PORT}", "--delay-ms", str(link.delay_ms),
         ], stdout=subprocess.PIPE, text=True)  # fmt: skip
         _wait_ready(relay)

@@ -12,9 +12,9 @@ from transformers.generation.streamers import BaseStreamer
 
 from swarmlm.client.inference import InferenceSession
 from swarmlm.client.model import AutoDistributedModelForCausalLM, DistributedCausalLMMixin
-from swarmlm.local_swarm import start_even_swarm
 from swarmlm.models.loading import load_config, load_tokenizer, resolve_model
 from swarmlm.models.naming import model_name
+from swarmlm.tools.local_swarm import start_even_swarm
 
 # the longest conversation the interactive chat keeps in one inference session
 CHAT_MAX_TOKENS = 2048

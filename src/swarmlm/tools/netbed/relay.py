@@ -4,8 +4,8 @@ The kernel here has no netem, so latency is added in user space: each chunk read
 other `delay_s` after it arrived, keeping order; with a rate cap, writes are also paced to `rate_bps`. Buffered
 bytes per direction are bounded (reading pauses above the bound), so a fast sender cannot grow the relay's memory.
 
-Run as `python -m swarmlm.netbed.relay --listen HOST:PORT --to HOST:PORT [--delay-ms X] [--rate-mbit Y]`; it prints
-"Relay ready" once listening and exits on SIGTERM.
+Run as `python -m swarmlm.tools.netbed.relay --listen HOST:PORT --to HOST:PORT [--delay-ms X] [--rate-mbit Y]`;
+it prints "Relay ready" once listening and exits on SIGTERM.
 """
 
 from __future__ import annotations

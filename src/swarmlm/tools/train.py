@@ -15,7 +15,8 @@ from tqdm.auto import tqdm
 from swarmlm.client.prompts import IGNORE_INDEX
 from swarmlm.errors import ConfigError
 
-DATASET = Path(__file__).parent / "examples" / "sentiment.jsonl"
+# the data set stays in the package's examples/ folder (package data), one level above this tools/ package
+DATASET = Path(__file__).parent.parent / "examples" / "sentiment.jsonl"
 LABELS = ("positive", "negative")
 # Adam learning rates that train well on this task (prompts: 1e-2 and above diverge)
 DEFAULT_LR = {"ptune": 3e-3, "deep_ptune": 3e-3, "lora": 1e-3}
@@ -137,8 +138,8 @@ class TrainOptions:
 def run_training(options: TrainOptions) -> tuple[float, float]:
     """Accuracy on held-out examples before and after training prompts or LoRA weights through a swarm."""
     from swarmlm.client.model import AutoDistributedModelForCausalLM
-    from swarmlm.local_swarm import start_even_swarm
     from swarmlm.models.loading import load_config, load_tokenizer, resolve_model
+    from swarmlm.tools.local_swarm import start_even_swarm
 
     train_set, held_out = split_examples(load_examples(), options.held_out)
     if not 1 <= options.batch_size <= len(train_set):  # checked before the model loads and any server starts
