@@ -1,5 +1,13 @@
 """The exceptions swarmlm raises: one small hierarchy so callers can catch what they can handle."""
 
+# Error text in replies and log lines is cut to this many characters: a hostile header must not echo back in full.
+MAX_ERROR_CHARS = 500
+
+
+def short(text: str, limit: int = MAX_ERROR_CHARS) -> str:
+    """`text` cut to `limit` characters, saying how much was cut."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
+
 
 class SwarmError(Exception):
     """Base class of every error raised by swarmlm."""
@@ -32,6 +40,14 @@ class MissingBlocksError(SwarmError):
 
 class ProtocolError(SwarmError):
     """A message on the wire is malformed, of an unknown version, or violates the server's limits."""
+
+
+class LimitError(ProtocolError):
+    """A request is refused by a server limit, not because it is malformed; error_kind says which kind of limit."""
+
+    def __init__(self, message: str, error_kind: str):
+        super().__init__(message)
+        self.error_kind = error_kind  # "busy": room may come later; "too_large": never here, maybe elsewhere
 
 
 class RemoteCallError(SwarmError):

@@ -333,7 +333,7 @@ async def _close(writer: asyncio.StreamWriter) -> None:
 
 def test_the_asker_closes_first_and_one_that_never_does_is_cut_off(swarm, raw: RawClient) -> None:
     """After answering a request whose stream the asker had ended, the server waits for the asker to close: p2pd
-    can lose the tail of a reply on a stream its receiver closes first (server/transport.py). An asker that never
+    can lose the tail of a reply on a stream its receiver closes first (net/transport.py). An asker that never
     closes loses the stream after CLOSE_LINGER_S."""
     reader, writer = open_raw(raw, "rpc_info")
     write(raw, writer, b"".join(frame(p) for p in encode(InfoRequest(), [], runtime_pb2.ExpertRequest)))

@@ -13,9 +13,9 @@ from hivemind.proto import runtime_pb2
 from hivemind.proto.p2pd_pb2 import RPCError
 
 from swarmlm.errors import ProtocolError
+from swarmlm.net.frames import send_frames
 from swarmlm.protocol.bundle import SpanTensors, check_names
 from swarmlm.protocol.codec import CHUNK_BYTES, encode, read_message, read_only_message
-from swarmlm.protocol.frames import send_frames
 from swarmlm.protocol.messages import PROTOCOL_VERSION, ForwardRequest, ReplyHeader
 
 

@@ -8,7 +8,8 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from swarmlm.cli.main import build_parser
 from swarmlm.errors import SwarmError
-from swarmlm.swarm.dht import check_relay_maddrs, daemon_maddr, relay_circuit
+from swarmlm.net.dialing import daemon_maddr
+from swarmlm.swarm.dht import check_relay_maddrs, relay_circuit
 
 RELAY_ID = "12D3KooWAprJCTq9UZSyFbdcHkRwUb8xbctt8xvsoFvk3CRH3p6D"
 SERVER_ID = "12D3KooWJuPB1q33jsiZZKWsPXQBSbGR3ETp5X8EhNMLiSTbmqk8"

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from swarmlm.server import transport
+from swarmlm.net import transport
 
 
 def test_a_refused_peer_that_keeps_sending_is_cut_off_at_the_byte_bound(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,18 +11,16 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import hivemind
 from hivemind.p2p import P2P, PeerID
-from hivemind.proto import runtime_pb2
 
-from swarmlm.client.sequence_manager import dial
 from swarmlm.models.naming import name_from_identity
-from swarmlm.protocol import service
-from swarmlm.protocol.codec import encode, read_message
-from swarmlm.protocol.messages import InfoRequest, ServerInfo
+from swarmlm.net.dialing import dial
+from swarmlm.net.info import request_info
+from swarmlm.protocol.messages import ServerInfo
 from swarmlm.swarm.catalog import fetch_catalog
 from swarmlm.swarm.records import ServerRecord, ServerState, fetch_servers
 
@@ -38,11 +36,6 @@ DHT_TIMEOUT_S = 5.0
 
 def short_id(peer_id: str) -> str:
     return f"...{peer_id[-6:]}"
-
-
-async def _info_request() -> AsyncIterator[runtime_pb2.ExpertRequest]:
-    for part in encode(InfoRequest(), [], runtime_pb2.ExpertRequest):
-        yield part
 
 
 class Monitor:
@@ -93,16 +86,14 @@ class Monitor:
                     self._p2p = await self.dht.replicate_p2p()
                 peer = PeerID.from_base58(peer_id)
                 if record.addrs:
-                    await dial(self._p2p, peer, list(record.addrs))
-                replies = await service.stub(self._p2p, peer).rpc_info(_info_request())
-                async with contextlib.aclosing(replies):
-                    message = await read_message(replies, ServerInfo, max_bytes=0)
+                    await dial(self._p2p, peer, list(record.addrs), PROBE_TIMEOUT_S)
+                info = await request_info(self._p2p, peer, PROBE_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - whatever fails, the server did not answer: that is what is shown
             logger.debug("Server %s did not answer rpc_info: %r", short_id(peer_id), e)
             return False
-        if message is None:
+        if info is None:
             return False
-        self._infos[peer_id], self._seen[peer_id] = message[0], time.time()
+        self._infos[peer_id], self._seen[peer_id] = info, time.time()
         return True
 
     async def close(self) -> None:

@@ -9,24 +9,15 @@ recorded as that far away (and its failure is left to the real calls).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 from hivemind.p2p import P2P, PeerID
-from hivemind.proto import runtime_pb2
 
-from swarmlm.protocol import service
-from swarmlm.protocol.codec import encode, read_message
-from swarmlm.protocol.messages import InfoRequest, ServerInfo
+from swarmlm.net.info import request_info
 
 logger = logging.getLogger(__name__)
-
-
-async def _info_request() -> AsyncIterator[runtime_pb2.ExpertRequest]:
-    for part in encode(InfoRequest(), [], runtime_pb2.ExpertRequest):
-        yield part
 
 
 async def time_info_call(p2p: P2P, peer: PeerID, timeout_s: float) -> float:
@@ -34,11 +25,8 @@ async def time_info_call(p2p: P2P, peer: PeerID, timeout_s: float) -> float:
     timeout_s if it takes longer or fails."""
     began = time.perf_counter()
     try:
-        async with asyncio.timeout(timeout_s):
-            replies = await service.stub(p2p, peer).rpc_info(_info_request())
-            async with contextlib.aclosing(replies):
-                if await read_message(replies, ServerInfo, max_bytes=0) is None:
-                    return timeout_s
+        if await request_info(p2p, peer, timeout_s) is None:
+            return timeout_s
     except Exception as e:  # noqa: BLE001 - whatever fails, the server is as far as the deadline for routing
         logger.debug("Timing rpc_info of ...%s failed: %r", peer.to_base58()[-6:], e)
         return timeout_s

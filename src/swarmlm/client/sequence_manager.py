@@ -18,8 +18,9 @@ from swarmlm.client.verify import Verifier
 from swarmlm.client.wire import wire_dtype_of
 from swarmlm.config import ClientConfig
 from swarmlm.errors import MissingBlocksError, RemoteCallError
+from swarmlm.net.dialing import Dialer
 from swarmlm.swarm import private, reports
-from swarmlm.swarm.dht import ParentBoundDHT, daemon_maddr, is_loopback_maddr, start_dht
+from swarmlm.swarm.dht import ParentBoundDHT, is_loopback_maddr, start_dht
 from swarmlm.swarm.private import blind_prefix
 from swarmlm.swarm.records import ServerRecord, fetch_servers
 from swarmlm.swarm.routing import Policy, RouteSpan, ServerView, find_route, missing_blocks, policy_for
@@ -30,15 +31,6 @@ logger = logging.getLogger(__name__)
 MISSING_BLOCKS_POLL_S = 0.5
 # servers whose announced dtype is remembered after their records lapse (the stalest are forgotten first)
 MAX_REMEMBERED_DTYPES = 4096
-
-
-async def dial(p2p: P2P, peer: PeerID, addrs: list[str]) -> None:
-    """Tell our p2pd where a server listens, so the first call need not wait for the DHT to have met it.
-
-    hivemind has no public connect(); its own code calls the daemon client (the private `_client`) the same way.
-    The daemon wants addresses without the trailing /p2p/<peer id>, and relayed ones encoded its way (daemon_maddr).
-    """
-    await p2p._client.connect(peer, [daemon_maddr(addr) for addr in addrs])
 
 
 def fitting_tokens(spans: Iterable[tuple[int, int, int | None]], start: int, end: int) -> int | None:
@@ -81,7 +73,7 @@ class SequenceManager:
         # what routes minimize (config.routing, checked here): for batch work, and for routes opening sessions
         self.batch_policy = policy_for(config.routing, inference=False)
         self.session_policy = policy_for(config.routing, inference=True)
-        self._connected: set[str] = set()
+        self._dialer = Dialer(config.request_timeout_s)
         self._joined: set[str] = set()  # servers of a private swarm this client proved its membership to
         self._rng = random.Random()
         self._last_used: dict[str, float] = {}  # peer -> when a route last went through it (monotonic s)
@@ -282,7 +274,7 @@ class SequenceManager:
     def ban(self, peer_id: str, reason: object) -> None:
         """Avoid a failed server for a while; each further failure doubles the ban (up to ban_max_s)."""
         duration = self.health.ban(peer_id)
-        self._connected.discard(peer_id)
+        self._dialer.forget(peer_id)
         self._joined.discard(peer_id)  # a restarted server forgot us: join again
         self._last_used.pop(peer_id, None)  # once its ban is over, a failed server earns no stickiness
         logger.warning("Server ...%s failed (%s); avoiding it for %.1f s", peer_id[-6:], reason, duration)
@@ -292,7 +284,7 @@ class SequenceManager:
         on the DHT (where several servers produced the wrong result together, which one lied is unknown)."""
         for peer_id in peers:
             self.health.distrust(peer_id)
-            self._connected.discard(peer_id)
+            self._dialer.forget(peer_id)
             self._last_used.pop(peer_id, None)
             logger.warning("Server ...%s returned a wrong result (%s); not using it again", peer_id[-6:], reason)
         if len(peers) == 1 and self.dht is not None and self.p2p is not None:
@@ -327,9 +319,8 @@ class SequenceManager:
         """Tell p2pd the announced addresses of a server before the first call (it may not have met it via the DHT)."""
         peer = PeerID.from_base58(peer_id)
         record = self.servers.get(peer_id)
-        if peer_id not in self._connected and record is not None and record.addrs:
-            await dial(self.p2p, peer, list(record.addrs))
-            self._connected.add(peer_id)
+        if record is not None:
+            await self._dialer.ensure_connected(self.p2p, peer, record.addrs)
         key = self.config.swarm_key
         if key is not None and peer_id not in self._joined:
             if not await private.join(self.p2p, peer, key, self.config.request_timeout_s):

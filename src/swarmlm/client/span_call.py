@@ -15,11 +15,12 @@ from hivemind.proto import runtime_pb2
 from swarmlm.client import trace
 from swarmlm.client.liveness import watched
 from swarmlm.client.sequence_manager import SequenceManager
-from swarmlm.client.streams import PeerStream
 from swarmlm.client.wire import from_wire, marked, on_wire, to_wire
 from swarmlm.errors import BadRequestError, ProtocolError, RemoteCallError
+from swarmlm.net.info import request_info
+from swarmlm.net.streams import PeerStream
 from swarmlm.protocol.codec import encode, read_message
-from swarmlm.protocol.messages import InferenceOpen, InfoRequest, ReplyHeader, ServerInfo, _Header
+from swarmlm.protocol.messages import InferenceOpen, ReplyHeader, ServerInfo, _Header
 
 H = TypeVar("H", ReplyHeader, ServerInfo)
 
@@ -145,10 +146,10 @@ async def fetch_info(manager: SequenceManager, peer_id: str) -> ServerInfo:
     timeout_s = manager.config.request_timeout_s
     with remote_errors("rpc_info", peer_id, timeout_s):
         async with asyncio.timeout(timeout_s):
-            message = await _one_exchange(manager, peer_id, "rpc_info", InfoRequest(), [], ServerInfo, 0)
-    if message is None:
+            info = await request_info(manager.p2p, await manager.ensure_connected(peer_id), timeout_s)
+    if info is None:
         raise RemoteCallError("rpc_info: the server closed the stream without replying", peer_id)
-    return message[0]
+    return info
 
 
 async def _one_exchange(
@@ -156,8 +157,9 @@ async def _one_exchange(
     reply_type: type[H], max_bytes: int,
 ) -> tuple[H, list[torch.Tensor]] | None:  # fmt: skip
     """Send one message on a new stream, end it, read the one reply and close the stream: the server waits for us
-    to close first (server/transport.py says why), so nothing after the reply is awaited."""
-    stream = await PeerStream.open(manager.p2p, await manager.ensure_connected(peer_id), method)
+    to close first (net/transport.py says why), so nothing after the reply is awaited."""
+    peer = await manager.ensure_connected(peer_id)
+    stream = await PeerStream.open(manager.p2p, peer, method, manager.config.request_timeout_s)
     try:
         await stream.send(encode(header, tensors, runtime_pb2.ExpertRequest))
         await stream.end()
@@ -211,7 +213,9 @@ class SpanStream:
             async with asyncio.timeout_at(deadline):
                 if self._stream is None:
                     peer = await self.manager.ensure_connected(self.peer_id)
-                    self._stream = await PeerStream.open(self.manager.p2p, peer, self.method)
+                    self._stream = await PeerStream.open(
+                        self.manager.p2p, peer, self.method, deadline - asyncio.get_running_loop().time()
+                    )
                     self._replies = self._stream.replies()
                 self.out_of_step = True
                 await self._stream.send(encode(marked(header, wire), sent, runtime_pb2.ExpertRequest))

@@ -11,7 +11,7 @@ from swarmlm.protocol.bundle import TensorName, check_names
 from swarmlm.protocol.lora import LoraSpec
 
 # Bumped on any incompatible change of a header, of the tensors that follow it, or of who closes a stream first
-# (5: the asker closes a one-reply stream once it has read the reply; server/transport.py).
+# (5: the asker closes a one-reply stream once it has read the reply; net/transport.py).
 PROTOCOL_VERSION = 5
 # a LoRA adapter's name in requests and records (models/adapters.py names adapters by their folder)
 ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"

@@ -76,7 +76,7 @@ class Members:
                 logger.warning("join refused peer=...%s: wrong swarm key", peer[-6:])
             writer.write(JOIN_OK if admitted else JOIN_REFUSED)
             await asyncio.wait_for(writer.drain(), JOIN_TIMEOUT_S)
-            # the joiner closes once it has read the answer; closing first could lose it (server/transport.py)
+            # the joiner closes once it has read the answer; closing first could lose it (net/transport.py)
             with contextlib.suppress(TimeoutError, ConnectionError):
                 await asyncio.wait_for(reader.read(1), CLOSE_LINGER_S)
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:

@@ -8,16 +8,12 @@ import traceback
 from collections import defaultdict
 from dataclasses import dataclass
 
-from swarmlm.errors import ProtocolError
+# LimitError and short live with the other errors (net/transport.py raises and cuts them too); the server's modules
+# take them from here with the rest of the per-peer accounting
+from swarmlm.errors import LimitError, short
 from swarmlm.protocol.messages import ReplyHeader
 
-# Error text in replies and log lines is cut to this many characters: a hostile header must not echo back in full.
-MAX_ERROR_CHARS = 500
-
-
-def short(text: str, limit: int = MAX_ERROR_CHARS) -> str:
-    """`text` cut to `limit` characters, saying how much was cut."""
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
+__all__ = ["LimitError", "PeerLedger", "PeerLimits", "refusal", "short", "where"]
 
 
 def refusal(error: BaseException, text: str | None = None) -> ReplyHeader:
@@ -30,14 +26,6 @@ def refusal(error: BaseException, text: str | None = None) -> ReplyHeader:
 def where(error: BaseException) -> str:
     """The traceback of `error` without its message (which a peer may have made huge), for the log."""
     return "".join(traceback.format_tb(error.__traceback__)).rstrip()
-
-
-class LimitError(ProtocolError):
-    """A request is refused by a server limit, not because it is malformed; error_kind says which kind of limit."""
-
-    def __init__(self, message: str, error_kind: str):
-        super().__init__(message)
-        self.error_kind = error_kind  # "busy": room may come later; "too_large": never here, maybe elsewhere
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
-from swarmlm.client.sequence_manager import dial
-from swarmlm.client.streams import PeerStream
+from swarmlm.net.dialing import Dialer
+from swarmlm.net.streams import PeerStream
 from swarmlm.protocol.codec import encode, read_message
 from swarmlm.protocol.messages import PushHop, PushStep, ReplyHeader
 from swarmlm.server.peers import short
@@ -60,7 +60,7 @@ class Pusher:
 
     def __init__(self, p2p: P2P, records: Callable[[], Awaitable[Mapping[str, ServerRecord]]], timeout_s: float):
         self.p2p, self.records, self.timeout_s = p2p, records, timeout_s
-        self._dialed: set[str] = set()
+        self._dialer = Dialer(timeout_s)
         self._links: dict[str, _Link] = {}  # by session id
 
     async def __call__(self, hop: PushHop, header: PushStep, tensors: list) -> str | None:
@@ -125,13 +125,12 @@ class Pusher:
     async def _link(self, hop: PushHop, peer: PeerID) -> _Link:
         link = self._links.get(hop.session_id)
         if link is None:
-            if hop.peer_id not in self._dialed:
+            if not self._dialer.dialed(hop.peer_id):
                 record = (await self.records()).get(hop.peer_id)
                 if record is None or not record.addrs:
                     raise ValueError("the next hop is not a server of this swarm")
-                await dial(self.p2p, peer, list(record.addrs))
-                self._dialed.add(hop.peer_id)
-            stream = await PeerStream.open(self.p2p, peer, "rpc_push")
+                await self._dialer.ensure_connected(self.p2p, peer, record.addrs)
+            stream = await PeerStream.open(self.p2p, peer, "rpc_push", self.timeout_s)
             link = self._links[hop.session_id] = _Link(stream, stream.replies())
         return link
 

@@ -25,19 +25,19 @@ from swarmlm.models.loading import checkpoint_dtype, load_config, resolve_model
 from swarmlm.models.naming import model_name
 from swarmlm.models.quant import QUANT_MODES, bnb_functional, module_bytes, quantize
 from swarmlm.models.span import SpanModel
-from swarmlm.protocol import service
+from swarmlm.net import transport
+from swarmlm.net.transport import Gate, StreamLimits
 from swarmlm.protocol.messages import ServerInfo
-from swarmlm.server import lifecycle, transport
+from swarmlm.server import lifecycle
 from swarmlm.server.backend import SpanBackend
 from swarmlm.server.cache import CacheBudget, default_cache_tokens
 from swarmlm.server.handler import SpanHandler
 from swarmlm.server.inference import InferenceSessions
-from swarmlm.server.membership import Members
+from swarmlm.server.membership import Members, refuse_outsider
 from swarmlm.server.peers import PeerLedger, PeerLimits
 from swarmlm.server.placement import Span, claimed_first, estimate_throughput, requested_span, should_move
 from swarmlm.server.push import Pusher
 from swarmlm.server.scheduler import BatchLimits
-from swarmlm.server.transport import StreamLimits
 from swarmlm.server.validation import max_message_bytes
 from swarmlm.swarm.catalog import CatalogEntry, announce_entry
 from swarmlm.swarm.dht import check_announce_maddrs, check_relay_maddrs, relay_circuit, start_dht, visible_maddrs
@@ -255,7 +255,7 @@ class Server:
         await lifecycle.drain(self._sessions(), handler, self.config.drain_timeout_s)
         # the DHT keeps the record that expires last, so the offline one must not expire before the online one
         await self._announce(ServerState.OFFLINE)
-        await service.unregister(p2p)
+        await transport.unregister(p2p, self.config.request_timeout_s)
         await p2p.shutdown()
         sys.stdout.flush()
 
@@ -299,8 +299,12 @@ class Server:
         )
         self.handler = SpanHandler(self.backend, self.inference, cfg.request_timeout_s, self.describe)
         limits = StreamLimits(int(cfg.max_frame_mb * 1e6), cfg.request_timeout_s, cfg.write_timeout_s)
-        members = None if cfg.swarm_key is None else Members(cfg.swarm_key)
-        await transport.register(p2p, self.handler, ledger, limits, members)
+        gate = None
+        if cfg.swarm_key is not None:  # a private swarm: only peers that proved they hold its key are served
+            members = Members(cfg.swarm_key)
+            await members.register(p2p)
+            gate = Gate(members.admits, refuse_outsider)
+        await transport.register(p2p, self.handler, ledger, limits, gate)
         return self.handler
 
     def _sessions(self) -> InferenceSessions:

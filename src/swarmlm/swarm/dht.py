@@ -12,11 +12,12 @@ from collections.abc import Callable, Sequence
 
 import hivemind
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from hivemind.p2p import P2P, P2PDaemonError, PeerID
+from hivemind.p2p import P2PDaemonError
 from hivemind.utils.multiaddr import Multiaddr
 
 from swarmlm.checks import check_can_listen, check_ip_host, check_peer_maddrs
 from swarmlm.errors import SwarmError, UnreachablePeersError
+from swarmlm.net.patches import use_only_static_relays
 from swarmlm.swarm.identity import PeerIdSignatureValidator, temporary_identity_file
 from swarmlm.swarm.private import SwarmKeyValidator
 from swarmlm.utils.processes import kill_group_when_orphaned
@@ -44,23 +45,8 @@ class ParentBoundDHT(hivemind.DHT):
     def run(self) -> None:  # runs in the forked child
         kill_group_when_orphaned(self._bound_parent_pid)
         if self._static_relays:
-            _use_only_static_relays()
+            use_only_static_relays()
         super().run()
-
-
-def _use_only_static_relays() -> None:
-    """Make this process's p2pd reserve a slot on its trusted relays at once (called in the DHT's own child).
-
-    hivemind 1.1.12 always starts p2pd with relay discovery, and p2pd then waits for 4 relay candidates or 3 minutes
-    before it reserves a slot anywhere; with discovery off, the trusted relays are its static relays and it reserves
-    on them immediately. hivemind has no option for this flag, so the child's P2P gets it added to its arguments.
-    """
-    make_args = P2P._make_process_args
-
-    def with_static_relays(*args: object, **kwargs: object) -> list[str]:
-        return make_args(*args, **({**kwargs, "relayDiscovery": False} if kwargs.get("autoRelay") else kwargs))
-
-    P2P._make_process_args = staticmethod(with_static_relays)
 
 
 def is_loopback_maddr(maddr: str) -> bool:
@@ -209,42 +195,6 @@ def check_relay_maddrs(maddrs: Sequence[str]) -> None:
 def relay_circuit(relay: str) -> str:
     """The address through which a node holding a reservation on `relay` is dialled (append /p2p/<its peer id>)."""
     return f"{relay}/p2p-circuit"
-
-
-# multiaddr protocol codes (github.com/multiformats/multiaddr, protocols.csv)
-_P2P_CODE = 421
-_CIRCUIT_CODE = 290
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, value = value & 0x7F, value >> 7
-        out.append(byte | (0x80 if value else 0))
-        if not value:
-            return bytes(out)
-
-
-def daemon_maddr(maddr: str) -> Multiaddr:
-    """A multiaddr as p2pd reads it, for dialling: transport parts as they are, /p2p/<id> parts as the raw peer id.
-
-    hivemind's Multiaddr encodes a /p2p/ part as a CID, which p2pd rejects ("length greater than remaining number of
-    bytes"); relayed addresses (.../p2p/<relay>/p2p-circuit) need that part, so they are encoded here by hand. A
-    trailing /p2p/<id> (the dialled peer itself) is dropped: p2pd takes the peer id separately.
-    """
-    parts = str(maddr).split("/p2p/")
-    if len(parts) > 1 and "/" not in parts[-1]:
-        parts[-2:] = [parts[-2]]  # the peer's own id
-    encoded = bytearray(Multiaddr(parts[0]).to_bytes()) if parts[0] else bytearray()
-    for part in parts[1:]:
-        peer, _, rest = part.partition("/")
-        peer_bytes = PeerID.from_base58(peer).to_bytes()
-        encoded += _varint(_P2P_CODE) + _varint(len(peer_bytes)) + peer_bytes
-        if rest == "p2p-circuit":
-            encoded += _varint(_CIRCUIT_CODE)
-        elif rest:
-            encoded += Multiaddr("/" + rest).to_bytes()
-    return Multiaddr(bytes(encoded))
 
 
 def _is_loopback_host(host: str) -> bool:

@@ -30,6 +30,7 @@ import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from google.protobuf.message import DecodeError
 from hivemind.p2p import P2P, P2PContext
@@ -37,12 +38,10 @@ from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 from hivemind.proto import runtime_pb2
 from hivemind.proto.p2pd_pb2 import RPCError
 
-from swarmlm.errors import ProtocolError
+from swarmlm.errors import LimitError, ProtocolError, short
+from swarmlm.net.frames import send_frames
 from swarmlm.protocol.codec import MAX_CHUNKS_PER_PART
-from swarmlm.protocol.frames import send_frames
-from swarmlm.protocol.service import CLOSE_LINGER_S, SpanService
-from swarmlm.server.membership import Members, refuse_outsider
-from swarmlm.server.peers import LimitError, PeerLedger, short
+from swarmlm.protocol.service import CLOSE_LINGER_S, METHODS, handle_name
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +49,6 @@ logger = logging.getLogger(__name__)
 FRAME_OVERHEAD_BYTES = 4096
 # frames read ahead of the handler, as in hivemind (its default max_prefetch)
 PREFETCH_FRAMES = 5
-METHODS = ("rpc_forward", "rpc_backward", "rpc_inference", "rpc_push", "rpc_info")
 # ExpertRequest's field number of its repeated tensors (hivemind/proto/runtime.proto)
 TENSORS_FIELD = 2
 # our parts have 1-3 top-level fields; a frame of thousands of tiny fields is refused without parsing it
@@ -63,6 +61,22 @@ DRAIN_READ_BYTES = 1 << 16  # one read of that drain
 # handlers are async generators: closing one runs its cleanup
 Replies = AsyncGenerator[runtime_pb2.ExpertResponse, None]
 Handler = Callable[[AsyncIterator[runtime_pb2.ExpertRequest], P2PContext], Replies]
+
+
+class ByteBudget(Protocol):
+    """Bytes each peer may have buffered on this server at once (server.peers.PeerLedger)."""
+
+    async def acquire_bytes(self, peer: str, size: int, timeout_s: float) -> None: ...
+
+    def release_bytes(self, peer: str, size: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class Gate:
+    """Who is served (a private swarm's members): a peer that `admits` refuses is answered by `outsider` instead."""
+
+    admits: Callable[[str], bool]  # by base58 peer id
+    outsider: Handler
 
 
 @dataclass(frozen=True)
@@ -79,7 +93,7 @@ class _EndOfFrames(Exception):  # noqa: N818 - a signal between the reader and t
 class _Stream:
     """One peer stream: a reader task feeding a bounded queue, the handler's request iterator, byte accounting."""
 
-    def __init__(self, peer: str, reader: asyncio.StreamReader, ledger: PeerLedger, limits: StreamLimits):
+    def __init__(self, peer: str, reader: asyncio.StreamReader, ledger: ByteBudget, limits: StreamLimits):
         self.peer, self.reader, self.ledger, self.limits = peer, reader, ledger, limits
         self.queue: asyncio.Queue = asyncio.Queue(PREFETCH_FRAMES)
         self.charged = 0  # bytes of this stream charged to the peer (queued, being read or being served)
@@ -206,28 +220,32 @@ def _varint(data: bytes, position: int) -> tuple[int, int]:
 
 
 async def register(
-    p2p: P2P, implementation: object, ledger: PeerLedger, limits: StreamLimits, members: Members | None = None
+    p2p: P2P, implementation: object, ledger: ByteBudget, limits: StreamLimits, gate: Gate | None = None
 ) -> None:
-    """Serve `implementation`'s rpc_* methods under SpanService's names, through bounded streams; with `members`
-    (a private swarm), only to peers that proved they hold the swarm key."""
-    if members is not None:
-        await members.register(p2p)
+    """Serve `implementation`'s rpc_* methods (protocol.service.METHODS) under their handler names, through bounded
+    streams; with `gate` (a private swarm), only to the peers it admits."""
     for method in METHODS:
-        name = SpanService._get_handle_name(None, method)
+        name = handle_name(method)
         handler = getattr(implementation, method)
 
         async def handle(info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                          handler: Handler = handler, name: str = name) -> None:  # fmt: skip
-            if members is not None and not members.admits(info.peer_id.to_base58()):
-                handler = refuse_outsider
+            if gate is not None and not gate.admits(info.peer_id.to_base58()):
+                handler = gate.outsider
             await _serve_stream(handler, name, p2p, info, reader, writer, ledger, limits)
 
         await p2p.add_binary_stream_handler(name, handle)
 
 
+async def unregister(p2p: P2P, timeout_s: float) -> None:
+    """Stop serving the rpc_* methods (streams already open go on until they end)."""
+    async with asyncio.timeout(timeout_s):
+        await asyncio.gather(*(p2p.remove_binary_stream_handler(handle_name(method)) for method in METHODS))
+
+
 async def _serve_stream(
     handler: Handler, name: str, p2p: P2P, info: StreamInfo, reader: asyncio.StreamReader,
-    writer: asyncio.StreamWriter, ledger: PeerLedger, limits: StreamLimits,
+    writer: asyncio.StreamWriter, ledger: ByteBudget, limits: StreamLimits,
 ) -> None:  # fmt: skip
     context = P2PContext(handle_name=name, local_id=p2p.peer_id, remote_id=info.peer_id)
     stream = _Stream(info.peer_id.to_base58(), reader, ledger, limits)

@@ -1,4 +1,5 @@
-"""The client's side of a server stream: hivemind's frames over a raw p2pd stream, read and written by us.
+"""The calling side of a server stream (clients, and servers pushing to the next server): hivemind's frames over a
+raw p2pd stream, read and written by us.
 
 hivemind 1.1.12's stream stubs (`P2P._iterate_protobuf_stream_handler`) write requests from a separate task and,
 when the connection closes, wait for that task before ending the reply iterator. A session's request iterator
@@ -18,8 +19,8 @@ from hivemind.proto import runtime_pb2
 from hivemind.proto.p2pd_pb2 import RPCError
 
 from swarmlm.errors import ProtocolError
-from swarmlm.protocol.frames import send_frames
-from swarmlm.protocol.service import SpanService
+from swarmlm.net.frames import send_frames
+from swarmlm.protocol.service import handle_name
 
 # largest reply frame read: our parts carry at most 1 MiB of tensors and a small header (servers allow 4 MB too)
 MAX_REPLY_FRAME_BYTES = 4 << 20
@@ -32,8 +33,10 @@ class PeerStream:
         self.reader, self.writer, self.method = reader, writer, method
 
     @classmethod
-    async def open(cls, p2p: P2P, peer: PeerID, method: str) -> PeerStream:
-        _, reader, writer = await p2p.call_binary_stream_handler(peer, SpanService._get_handle_name(None, method))
+    async def open(cls, p2p: P2P, peer: PeerID, method: str, timeout_s: float) -> PeerStream:
+        """A new stream to `peer`'s `method` (a name of protocol.service.METHODS), opened within timeout_s."""
+        async with asyncio.timeout(timeout_s):
+            _, reader, writer = await p2p.call_binary_stream_handler(peer, handle_name(method))
         return cls(reader, writer, method)
 
     async def send(self, parts: Iterable[runtime_pb2.ExpertRequest]) -> None:
