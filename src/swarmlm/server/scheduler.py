@@ -61,13 +61,18 @@ def _work(task: Task) -> Work:
     return task.work
 
 
+def _waited_for(task: Task) -> bool:
+    """Whether the task's caller still waits for its result."""
+    future = _work(task).future
+    return future is not None and not future.done()
+
+
 def _wanted(task: Task) -> bool:
     """Whether someone still waits for the task's result (for a joined task: any of its requests' callers)."""
     work = _work(task)
     if work.future is None or work.future.done():
         return False
-    members = work.members
-    if members is not None and all(_work(m).future is None or cast(Any, _work(m).future).done() for m in members):
+    if work.members is not None and not any(_waited_for(member) for member in work.members):
         work.future.cancel()  # every caller gave up: its remaining blocks need not run
         return False
     return True
