@@ -32,10 +32,12 @@ import torch
 from hivemind.proto import runtime_pb2
 
 from swarmlm.cli import main as cli
+from swarmlm.protocol.bundle import ReplyName
 from swarmlm.protocol.codec import CHUNK_BYTES, encode, read_only_message
 from swarmlm.protocol.messages import ForwardRequest, ReplyHeader
 from swarmlm.server import backend as backend_module
 from swarmlm.server import server as server_module
+from swarmlm.server.backend import named_results
 from swarmlm.server.handler import Parts, Replies, SpanHandler
 from swarmlm.server.validation import check_span_request
 
@@ -67,7 +69,10 @@ class HostileHandler(SpanHandler):
         if mode == "too_large_rows" and hidden.shape[0] == 1:
             inputs = check_span_request(header, tensors, self.backend.limits)
             outputs, _ = await self.backend.run(header.start_block, header.end_block, inputs)
-            for part in encode(ReplyHeader(ok=True), outputs, runtime_pb2.ExpertResponse):
+            bundle = named_results(inputs, outputs)
+            for part in encode(
+                ReplyHeader(ok=True, tensors=bundle.names()), bundle.tensors(), runtime_pb2.ExpertResponse
+            ):
                 yield part
             print(SERVED_LINE, flush=True)
             return
@@ -77,8 +82,12 @@ class HostileHandler(SpanHandler):
 
 async def _misbehave(mode: str, header: ForwardRequest, hidden: torch.Tensor, tensors: list) -> Replies:
     outputs = [hidden.clone()]
-    if header.kind == "backward" and "prompts" in header.tensors:
-        outputs.append(torch.zeros_like(tensors[header.tensors.index("prompts")]))
+    names: list[ReplyName] = ["hidden"]  # named as an honest reply would name them: only their values misbehave
+    if header.kind == "backward":
+        names = ["grad_hidden"]
+        if "prompts" in header.tensors:
+            outputs.append(torch.zeros_like(tensors[header.tensors.index("prompts")]))
+            names.append("grad_prompts")
     if mode == "nan":
         outputs[0][..., 0] = float("nan")
     elif mode == "wrong_shape":
@@ -103,7 +112,7 @@ async def _misbehave(mode: str, header: ForwardRequest, hidden: torch.Tensor, te
         return
     else:
         raise ValueError(f"unknown hostile mode {mode!r}")
-    for part in encode(ReplyHeader(ok=True), outputs, runtime_pb2.ExpertResponse):
+    for part in encode(ReplyHeader(ok=True, tensors=names), outputs, runtime_pb2.ExpertResponse):
         yield part
 
 
@@ -111,7 +120,7 @@ async def _huge_reply() -> AsyncIterator[runtime_pb2.ExpertResponse]:
     """One float32 tensor of HUGE_REPLY_BYTES, streamed from one reused chunk (this process stays small)."""
     chunks = HUGE_REPLY_BYTES // CHUNK_BYTES
     buffer = bytes(CHUNK_BYTES)
-    first = next(encode(ReplyHeader(ok=True), [torch.zeros(1)], runtime_pb2.ExpertResponse))
+    first = next(encode(ReplyHeader(ok=True, tensors=["hidden"]), [torch.zeros(1)], runtime_pb2.ExpertResponse))
     head = first.tensors[0]
     head.buffer, head.chunks = buffer, chunks
     del head.size[:]

@@ -22,7 +22,7 @@ from swarmlm.errors import BadRequestError, RemoteCallError
 from swarmlm.models.naming import default_dht_prefix
 from swarmlm.models.span import SpanModel
 from swarmlm.protocol import service
-from swarmlm.protocol.bundle import SpanTensors
+from swarmlm.protocol.bundle import ReplyTensors, SpanTensors
 from swarmlm.protocol.codec import encode, read_message
 from swarmlm.protocol.messages import InferenceOpen, InferenceStep, ReplyHeader
 from swarmlm.server.validation import max_message_bytes
@@ -93,7 +93,7 @@ class SessionClient:
     def open(self, batch_size: int, max_length: int, start: int = 0, end: int = NUM_BLOCKS) -> SpanStream:
         stream = self.stream()
         header = InferenceOpen(start_block=start, end_block=end, batch_size=batch_size, max_length=max_length)
-        assert self.run(stream.exchange(header, [])) == []
+        assert self.run(stream.exchange(header, [])).names() == []
         return stream
 
     def step(
@@ -107,9 +107,9 @@ class SessionClient:
     ) -> torch.Tensor:
         bundle = SpanTensors(hidden, attention_mask=attention_mask, hypo_ids=hypo_ids)
         header = InferenceStep(tensors=bundle.names(), start_from_position=start_from_position)
-        outputs = self.run(stream.exchange(header, bundle.tensors()))
-        assert len(outputs) == 1 and outputs[0].shape == hidden.shape
-        return outputs[0]
+        reply = self.run(stream.exchange(header, bundle.tensors()))
+        assert reply.names() == ["hidden"] and reply.required("hidden").shape == hidden.shape
+        return reply.required("hidden")
 
     def close(self, stream: SpanStream) -> None:
         self.run(stream.close())
@@ -243,14 +243,14 @@ def test_open_waiting_for_room_gets_it_when_a_session_closes(client: SessionClie
     waiting = client.stream()
     header = InferenceOpen(start_block=0, end_block=NUM_BLOCKS, batch_size=1, max_length=8)
 
-    async def open_while_the_other_closes() -> list[torch.Tensor]:
+    async def open_while_the_other_closes() -> ReplyTensors:
         opening = asyncio.create_task(waiting.exchange(header, []))
         await asyncio.sleep(ALLOC_TIMEOUT_S / 4)
         assert not opening.done(), "the open did not wait for room"
         await full.close()
         return await opening
 
-    assert client.run(open_while_the_other_closes()) == []
+    assert client.run(open_while_the_other_closes()).names() == []
     client.streams.remove(full)
     client.step(waiting, hidden_states(1, 3, seed=2))
 

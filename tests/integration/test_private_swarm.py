@@ -89,7 +89,7 @@ def _call_directly(tiny_model_dir: Path, swarm: LocalSwarm, key_file: Path, swar
         peer = next(iter(records))
         hidden = torch.randn(1, 3, 64)
         header = ForwardRequest(start_block=0, end_block=5)
-        loop.run(call_span(manager, peer, "rpc_forward", header, [hidden], [Expected.like(hidden)]))
+        loop.run(call_span(manager, peer, "rpc_forward", header, [hidden], {"hidden": Expected.like(hidden)}))
     finally:
         loop.run(manager.close(), timeout=30)
         loop.close()

@@ -92,6 +92,6 @@ def test_a_push_to_a_session_that_does_not_exist_is_refused(tiny_model_dir, swar
         client = model.model.layers.client
         peer = next(iter(model.server_infos()))
         with pytest.raises(BadRequestError, match="no open session has this id"):
-            client.loop.run(call_span(client.manager, peer, "rpc_push", step, [torch.zeros(1, 1, 64)], []))
+            client.loop.run(call_span(client.manager, peer, "rpc_push", step, [torch.zeros(1, 1, 64)], {}))
         # the server goes on serving
         assert model.generate(torch.tensor([[1, 2]]), max_new_tokens=2).shape == (1, 4)

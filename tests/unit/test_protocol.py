@@ -14,7 +14,7 @@ from hivemind.proto.p2pd_pb2 import RPCError
 
 from swarmlm.errors import ProtocolError
 from swarmlm.net.frames import send_frames
-from swarmlm.protocol.bundle import SpanTensors, check_names
+from swarmlm.protocol.bundle import ReplyTensors, SpanTensors, check_names
 from swarmlm.protocol.codec import CHUNK_BYTES, encode, read_message, read_only_message
 from swarmlm.protocol.messages import PROTOCOL_VERSION, ForwardRequest, ReplyHeader
 
@@ -127,6 +127,75 @@ def test_a_bundle_splits_into_rows_with_its_per_sample_prompts() -> None:
     assert torch.equal(rows.prompts, bundle.prompts[:, 1:3])
     shared = SpanTensors(torch.randn(4, 3, 8), prompts=torch.randn(2, 1, 8)).select_rows(0, 1)
     assert shared.prompts.shape == (2, 1, 8)  # prompts shared by all rows stay whole
+
+
+def reply_roundtrip(header: ReplyHeader, tensors: list[torch.Tensor]) -> tuple:
+    parts = list(encode(header, tensors, runtime_pb2.ExpertResponse))
+    return asyncio.run(read_only_message(_aiter(parts), ReplyHeader, max_bytes=1 << 30))
+
+
+def test_a_reply_bundle_travels_named_and_comes_back_whole() -> None:
+    bundle = ReplyTensors(grad_hidden=torch.randn(2, 3, 8), grad_lora=torch.randn(40))
+    header, tensors = reply_roundtrip(ReplyHeader(ok=True, tensors=bundle.names()), bundle.tensors())
+    back = ReplyTensors.from_wire(header.tensors, tensors, expected=["grad_hidden", "grad_lora"])
+    assert header.tensors == ["grad_hidden", "grad_lora"] and back.hidden is None and back.grad_prompts is None
+    assert torch.equal(back.required("grad_hidden"), bundle.grad_hidden)
+    assert torch.equal(back.required("grad_lora"), bundle.grad_lora)
+    with pytest.raises(ProtocolError, match="no grad_prompts"):
+        back.required("grad_prompts")
+
+
+def test_an_acknowledgement_carries_no_tensors() -> None:
+    header, tensors = reply_roundtrip(ReplyHeader(ok=True), [])
+    assert header.tensors == [] and ReplyTensors.from_wire(header.tensors, tensors, expected=[]).names() == []
+
+
+@pytest.mark.parametrize(
+    ("names", "reason"),
+    [
+        (["hidden", "weights"], "unknown"),
+        (["attention_mask"], "unknown"),  # a request's name is not a reply's
+        (["grad_hidden", "grad_hidden"], "unique"),
+        (["grad_lora", "grad_hidden"], "in the order"),
+    ],
+)
+def test_reply_names_must_be_known_unique_and_ordered(names: list[str], reason: str) -> None:
+    tensors = [torch.zeros(1) for _ in names]
+    with pytest.raises(ProtocolError, match=reason):
+        ReplyTensors.from_wire(names, tensors)
+    with pytest.raises(ValueError, match="tensors"):  # the header refuses them too
+        ReplyHeader(ok=True, tensors=names)
+    raw = msgpack.packb({"header": {"protocol_version": PROTOCOL_VERSION, "ok": True, "tensors": names},
+                         "n_tensors": 0})  # fmt: skip
+    with pytest.raises(ProtocolError, match="malformed ReplyHeader"):  # as it arrives from the network
+        asyncio.run(read_message(_aiter([runtime_pb2.ExpertResponse(metadata=raw)]), ReplyHeader, max_bytes=0))
+
+
+@pytest.mark.parametrize(
+    ("names", "expected"),
+    [
+        (["hidden"], ["grad_hidden", "grad_prompts"]),  # a forward's reply to a backward
+        (["grad_hidden"], ["grad_hidden", "grad_prompts"]),  # the prompts' gradient is missing
+        (["grad_hidden", "grad_lora"], ["grad_hidden"]),  # a gradient nobody asked for
+        ([], ["hidden"]),  # an acknowledgement where a step's output was due
+    ],
+)
+def test_a_reply_must_carry_exactly_what_its_request_asked_for(names: list[str], expected: list[str]) -> None:
+    with pytest.raises(ProtocolError, match="the request asked for"):
+        ReplyTensors.from_wire(names, [torch.zeros(1) for _ in names], expected=expected)
+
+
+def test_reply_names_and_tensors_must_agree_and_refusals_carry_none() -> None:
+    with pytest.raises(ProtocolError, match="names 1 tensors but the reply carries 2"):
+        ReplyTensors.from_wire(["hidden"], [torch.zeros(1), torch.zeros(1)], expected=["hidden"])
+    with pytest.raises(ValueError, match="a refusal carries no tensors"):
+        ReplyHeader(ok=False, error="x", error_kind="server", tensors=["hidden"])
+
+
+def test_peers_of_another_protocol_version_refuse_each_other_clearly() -> None:
+    raw = msgpack.packb({"header": {"protocol_version": PROTOCOL_VERSION - 1, "ok": True}, "n_tensors": 1})
+    with pytest.raises(ProtocolError, match="unsupported protocol version"):
+        asyncio.run(read_message(_aiter([runtime_pb2.ExpertResponse(metadata=raw)]), ReplyHeader, max_bytes=1 << 20))
 
 
 class _Writes:

@@ -10,10 +10,10 @@ import torch
 
 from swarmlm.client import trace
 from swarmlm.client.sequence_manager import SequenceManager
-from swarmlm.client.span_call import Expected, RerouteError, call_span
+from swarmlm.client.span_call import Expected, Expects, RerouteError, call_span
 from swarmlm.client.verify import Opinion, settle
 from swarmlm.errors import BadRequestError, MissingBlocksError, RemoteCallError
-from swarmlm.protocol.bundle import SpanTensors
+from swarmlm.protocol.bundle import ReplyTensors, SpanTensors
 from swarmlm.protocol.lora import LoraWeights
 from swarmlm.protocol.messages import BackwardRequest, ForwardRequest
 from swarmlm.swarm.routing import RouteSpan
@@ -99,7 +99,7 @@ class RetryBudget:
 
 async def _call(
     manager: SequenceManager, span: RouteSpan, hidden: torch.Tensor, args: ChainArgs, grad: torch.Tensor | None
-) -> list[torch.Tensor]:
+) -> ReplyTensors:
     """The span-call helper of both directions: forward when grad is None, else backward."""
     bundle = args.for_span(span, hidden, grad)
     request_type = ForwardRequest if grad is None else BackwardRequest
@@ -107,12 +107,17 @@ async def _call(
         start_block=span.start, end_block=span.end, tensors=bundle.names(), adapter=manager.config.active_adapter,
         lora=None if args.lora is None else args.lora.spec,
     )  # fmt: skip
-    # the reply: hidden states (or their gradient) like the input, and in backward the prompts' and LoRA gradients
-    expected = [Expected.like(hidden)]
+    # the reply: hidden states like the input; in backward their gradient, and the prompts' and LoRA gradients
+    # exactly when the request sent prompts and LoRA weights
+    expected: Expects = {"hidden": Expected.like(hidden)}
     if grad is not None:
-        expected += [Expected.like(t) for t in (bundle.prompts, bundle.lora) if t is not None]
-    _, outputs = await call_span(manager, span.peer_id, f"rpc_{header.kind}", header, bundle.tensors(), expected)
-    return outputs
+        expected = {"grad_hidden": Expected.like(hidden)}
+        if bundle.prompts is not None:
+            expected["grad_prompts"] = Expected.like(bundle.prompts)
+        if bundle.lora is not None:
+            expected["grad_lora"] = Expected.like(bundle.lora)
+    _, reply = await call_span(manager, span.peer_id, f"rpc_{header.kind}", header, bundle.tensors(), expected)
+    return reply
 
 
 async def run_forward_chain(
@@ -133,7 +138,7 @@ async def run_forward_chain(
         route = await retry.route(position, end, tokens)
         for span in route:
             try:
-                (out,) = await _call(manager, span, hidden, args, grad=None)
+                out = (await _call(manager, span, hidden, args, grad=None)).required("hidden")
             except RemoteCallError as e:
                 retry.failed(span, e, tokens)
                 break  # re-route from the failed block on
@@ -204,11 +209,11 @@ async def run_backward_chain(
             )  # only its hops are used: their outputs are not checked
             pending.extend(replacement)
             continue
-        grad = grads[0]
+        grad = grads.required("grad_hidden")
         if grad_prompts is not None:
             begin = hop.span.start - args.prompts_start
-            grad_prompts[begin : begin + hop.span.end - hop.span.start] += grads[1]
+            grad_prompts[begin : begin + hop.span.end - hop.span.start] += grads.required("grad_prompts")
         if grad_lora is not None and args.lora is not None:
             bounds, first = args.lora.layout.bounds, args.lora.first
-            grad_lora[bounds[hop.span.start - first] : bounds[hop.span.end - first]] += grads[-1]
+            grad_lora[bounds[hop.span.start - first] : bounds[hop.span.end - first]] += grads.required("grad_lora")
     return grad, grad_prompts, grad_lora

@@ -127,16 +127,14 @@ class _SpanSession:
         header = InferenceStep(
             tensors=sent.names(), start_from_position=start_from, next_hops=next_hops or [], lora=spec
         )
-        outputs = await self.stream.exchange(header, sent.tensors())
+        reply = await self.stream.exchange(header, sent.tensors())  # checked: the hidden states, shaped like ours
         self.lora_sent = lora or self.lora_sent
-        if len(outputs) != 1 or outputs[0].shape != inputs.hidden.shape:
-            raise RemoteCallError(f"inference reply has shapes {[tuple(o.shape) for o in outputs]}", self.span.peer_id)
-        return outputs[0]
+        return reply.required("hidden")
 
     async def receive(self, like: torch.Tensor, upstream: str) -> torch.Tensor:
         """The output of a step server `upstream` pushed here (shaped like the step's hidden states)."""
-        (output,) = await self.stream.receive([Expected.like(like)], upstream)
-        return output
+        reply = await self.stream.receive({"hidden": Expected.like(like)}, upstream)
+        return reply.required("hidden")
 
     @property
     def push_error(self) -> str | None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from dataclasses import replace
 from typing import Literal, NamedTuple, TypeVar
 
 import torch
@@ -19,6 +20,7 @@ from swarmlm.client.wire import from_wire, marked, on_wire, to_wire
 from swarmlm.errors import BadRequestError, ProtocolError, RemoteCallError
 from swarmlm.net.info import request_info
 from swarmlm.net.streams import PeerStream
+from swarmlm.protocol.bundle import ReplyName, ReplyTensors
 from swarmlm.protocol.codec import encode, read_message
 from swarmlm.protocol.messages import InferenceOpen, ReplyHeader, ServerInfo, _Header
 
@@ -57,9 +59,33 @@ class Expected(NamedTuple):
         return cls(tensor.shape, tensor.dtype)
 
 
+# the tensors a reply must carry, by name: exactly those its request asks for (protocol.bundle.ReplyTensors)
+Expects = Mapping[ReplyName, Expected]
+
+
 def reply_bytes(expected: Sequence[Expected]) -> int:
     """The most tensor bytes a correct reply carries: what the client reads before it calls the reply malformed."""
     return sum(e.shape.numel() * max(e.dtype.itemsize, 4) for e in expected) + REPLY_SLACK_BYTES
+
+
+def check_reply_tensors(
+    reply: ReplyHeader, outputs: list[torch.Tensor], expected: Expects, method: str, peer_id: str
+) -> ReplyTensors:
+    """The reply's bundle, which must name exactly the expected tensors and carry them in the expected shapes and
+    dtypes; anything else is this server's failure."""
+    try:
+        bundle = ReplyTensors.from_wire(reply.tensors, outputs, expected=list(expected))
+    except ProtocolError as e:
+        raise RemoteCallError(f"{method} got a malformed reply: {e}", peer_id) from e
+    check_outputs(bundle.tensors(), [expected[name] for name in bundle.names()], method, peer_id)
+    return bundle
+
+
+def widened(bundle: ReplyTensors, expected: Expects) -> ReplyTensors:
+    """A reply's tensors widened back to the dtypes the caller expects (client/wire.py)."""
+    names = bundle.names()
+    tensors = from_wire(bundle.tensors(), [expected[name].dtype for name in names])
+    return replace(bundle, **dict(zip(names, tensors, strict=True)))
 
 
 def check_outputs(outputs: list[torch.Tensor], expected: Sequence[Expected], method: str, peer_id: str) -> None:
@@ -109,9 +135,10 @@ async def call_span(
     method: str,
     header: _Header,
     tensors: Sequence[torch.Tensor],
-    expected: Sequence[Expected],
-) -> tuple[ReplyHeader, list[torch.Tensor]]:
-    """Send one request to `method` on `peer_id` and return the reply, which must carry `expected` tensors.
+    expected: Expects,
+) -> tuple[ReplyHeader, ReplyTensors]:
+    """Send one request to `method` on `peer_id` and return the reply, which must carry exactly the `expected`
+    tensors.
 
     Raises BadRequestError when the server rejected the request as invalid, RerouteError when it is busy or the
     request too large for it, and RemoteCallError for any other failure of the server, its reply or the connection.
@@ -122,23 +149,23 @@ async def call_span(
     sent, wire_expected = to_wire(tensors, manager.wire), expected_on_wire(expected, manager.wire)
     with remote_errors(method, peer_id, timeout_s):
         async with asyncio.timeout(timeout_s):
-            limit = reply_bytes(wire_expected)
+            limit = reply_bytes(list(wire_expected.values()))
             exchange = _one_exchange(manager, peer_id, method, marked(header, manager.wire), sent, ReplyHeader, limit)
             message = await watched(exchange, manager, [peer_id])
     reply, outputs = _checked(manager, message, method, peer_id, time.perf_counter() - began)
-    check_outputs(outputs, wire_expected, method, peer_id)
+    bundle = check_reply_tensors(reply, outputs, wire_expected, method, peer_id)
     # the whole time by our clock, compute included: the compute time a server reports is its claim, not a measure
     start, end = getattr(header, "start_block", 0), getattr(header, "end_block", 0)
     elapsed_s = time.perf_counter() - began
     manager.record_success(peer_id, elapsed_s, call_work(end - start, tensors))
     trace.record_call(peer_id, start, end, getattr(header, "kind", method), elapsed_s * 1e3, reply.compute_ms)
-    return reply, from_wire(outputs, [e.dtype for e in expected])
+    return reply, widened(bundle, expected)
 
 
-def expected_on_wire(expected: Sequence[Expected], wire: torch.dtype) -> list[Expected]:
+def expected_on_wire(expected: Expects, wire: torch.dtype) -> dict[ReplyName, Expected]:
     """What a reply carries on the wire when the request's float32 tensors travelled as `wire` (client/wire.py)."""
-    dtypes = on_wire([e.dtype for e in expected], wire, [len(e.shape) for e in expected])
-    return [Expected(e.shape, dtype) for e, dtype in zip(expected, dtypes, strict=True)]
+    dtypes = on_wire([e.dtype for e in expected.values()], wire, [len(e.shape) for e in expected.values()])
+    return {name: Expected(e.shape, dtype) for (name, e), dtype in zip(expected.items(), dtypes, strict=True)}
 
 
 async def fetch_info(manager: SequenceManager, peer_id: str) -> ServerInfo:
@@ -197,12 +224,12 @@ class SpanStream:
         self.out_of_step = False
 
     async def exchange(
-        self, header: _Header, tensors: Sequence[torch.Tensor], expected: Sequence[Expected] | None = None
-    ) -> list[torch.Tensor]:
+        self, header: _Header, tensors: Sequence[torch.Tensor], expected: Expects | None = None
+    ) -> ReplyTensors:
         """Send one message and return its reply's tensors: by default those of a session's replies (the output
         hidden states, shaped like the input hidden states; none for a message without tensors)."""
         if expected is None:
-            expected = [Expected.like(tensors[0])] if tensors else []
+            expected = {"hidden": Expected.like(tensors[0])} if tensors else {}
         if isinstance(header, InferenceOpen):  # the opening message: the session's blocks, to cost its steps
             self._span = (header.start_block, header.end_block)
         began = time.perf_counter()
@@ -227,7 +254,7 @@ class SpanStream:
         self.manager.record_success(self.peer_id, elapsed_s, call_work(self._span[1] - self._span[0], tensors))
         return accepted
 
-    async def receive(self, expected: Sequence[Expected], upstream: str | None = None) -> list[torch.Tensor]:
+    async def receive(self, expected: Expects, upstream: str | None = None) -> ReplyTensors:
         """Read one more reply without sending (the answer to a step another server pushed to this session);
         upstream: the server that pushes it, whose silence fails the wait too."""
         began = time.perf_counter()
@@ -240,7 +267,7 @@ class SpanStream:
         return self._accept(reply, outputs, expected, "pushed step", time.perf_counter() - began)
 
     async def _read(
-        self, wire_expected: Sequence[Expected], deadline: float, upstreams: Sequence[str] = ()
+        self, wire_expected: Expects, deadline: float, upstreams: Sequence[str] = ()
     ) -> tuple[ReplyHeader, list[torch.Tensor]] | None:
         """The next reply on the open stream, read by the deadline and only up to the expected bytes; a silent
         server (this one, or an upstream one) fails the read early (client/liveness.py)."""
@@ -248,18 +275,19 @@ class SpanStream:
             async with asyncio.timeout_at(deadline):
                 if self._replies is None:
                     raise ProtocolError("the stream is not open")
-                reading = read_message(self._replies, ReplyHeader, max_bytes=reply_bytes(wire_expected))
+                limit = reply_bytes(list(wire_expected.values()))
+                reading = read_message(self._replies, ReplyHeader, max_bytes=limit)
                 return await watched(reading, self.manager, [self.peer_id, *upstreams])
 
     def _accept(
-        self, reply: ReplyHeader, outputs: list[torch.Tensor], expected: Sequence[Expected], kind: str,
-        elapsed_s: float,
-    ) -> list[torch.Tensor]:  # fmt: skip
+        self, reply: ReplyHeader, outputs: list[torch.Tensor], expected: Expects, kind: str, elapsed_s: float
+    ) -> ReplyTensors:
         """A reply's tensors once checked (as they travelled) and traced, widened back to the expected dtypes."""
         self.last_reply = reply
-        check_outputs(outputs, expected_on_wire(expected, self.manager.wire), self.method, self.peer_id)
+        wire_expected = expected_on_wire(expected, self.manager.wire)
+        bundle = check_reply_tensors(reply, outputs, wire_expected, self.method, self.peer_id)
         trace.record_call(self.peer_id, *self._span, kind, elapsed_s * 1e3, reply.compute_ms)
-        return from_wire(outputs, [e.dtype for e in expected])
+        return widened(bundle, expected)
 
     async def close(self) -> None:
         """End the stream (the server frees the session) and wait briefly for the server to finish it."""

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from swarmlm.errors import ProtocolError
-from swarmlm.protocol.bundle import TensorName, check_names
+from swarmlm.protocol.bundle import ReplyName, TensorName, check_names, check_reply_names
 from swarmlm.protocol.lora import LoraSpec
 
 # Bumped on any incompatible change of a header, of the tensors that follow it, or of who closes a stream first
-# (5: the asker closes a one-reply stream once it has read the reply; net/transport.py).
-PROTOCOL_VERSION = 5
+# (5: the asker closes a one-reply stream once it has read the reply; net/transport.py; 6: replies name their tensors,
+# protocol.bundle.ReplyTensors).
+PROTOCOL_VERSION = 6
 # a LoRA adapter's name in requests and records (models/adapters.py names adapters by their folder)
 ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 
@@ -153,7 +154,8 @@ class PushStep(_TensorsHeader):
 
 
 class ReplyHeader(_Header):
-    """The answer to a request: either tensors follow (ok) or an error explains what went wrong.
+    """The answer to a request: either tensors follow (ok), named by `tensors` in wire order (a ReplyTensors bundle,
+    protocol.bundle), or an error explains what went wrong (and no tensors follow).
 
     error_kind "bad_request" means the request itself is invalid (another server would reject it too);
     "server" means this server failed to serve it, "busy" that it has no room now, and "too_large" that the request
@@ -161,11 +163,27 @@ class ReplyHeader(_Header):
     """
 
     ok: bool
+    tensors: list[ReplyName] = Field(default_factory=list, strict=False)  # what follows: ReplyTensors.names()
     error: str | None = None
     error_kind: Literal["bad_request", "server", "busy", "too_large"] | None = None
     compute_ms: float = 0.0
     int8: bool = False  # its float tensors travel as int8 with per-row scales (as the request's did)
     push_error: str | None = None  # a step with next_hops ran, but pushing it on failed (the client takes over)
+
+    @field_validator("tensors")
+    @classmethod
+    def _known_names_in_order(cls, names: list[str]) -> list[str]:
+        try:
+            check_reply_names(names)
+        except ProtocolError as e:
+            raise ValueError(str(e)) from e
+        return names
+
+    @model_validator(mode="after")
+    def _no_tensors_with_an_error(self) -> ReplyHeader:
+        if not self.ok and self.tensors:
+            raise ValueError("a refusal carries no tensors")
+        return self
 
 
 H = TypeVar("H", bound=_Header)

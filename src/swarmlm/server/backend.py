@@ -17,7 +17,7 @@ from swarmlm.models.growing_cache import GrowingCache
 from swarmlm.models.lora import linear_shapes
 from swarmlm.models.registry import SLIDING_ATTENTION
 from swarmlm.models.span import SpanModel
-from swarmlm.protocol.bundle import SpanTensors
+from swarmlm.protocol.bundle import ReplyTensors, SpanTensors
 from swarmlm.protocol.lora import LoraWeights
 from swarmlm.server.joining import JoinableRequest, join, split
 from swarmlm.server.scheduler import BatchLimits, DecodeStep, Kind, Scheduler
@@ -278,6 +278,20 @@ class SpanBackend:
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def named_results(inputs: SpanTensors, results: list[torch.Tensor]) -> ReplyTensors:
+    """The reply bundle of a forward, backward or inference step from its results as run() and step() return them:
+    [hidden] for a forward or a step, [grad wrt hidden, (grad wrt prompts), (grad wrt lora)] for a backward."""
+    if inputs.grad_outputs is None:
+        (hidden,) = results
+        return ReplyTensors(hidden=hidden)
+    grads = list(results[1:])
+    grad_prompts = None if inputs.prompts is None else grads.pop(0)
+    grad_lora = None if inputs.lora is None else grads.pop(0)
+    if grads:
+        raise RuntimeError(f"a backward gave {len(results)} results, more than its request asked for")
+    return ReplyTensors(grad_hidden=results[0], grad_prompts=grad_prompts, grad_lora=grad_lora)
 
 
 def _plain_decode(cache: DynamicCache, start: int, inputs: SpanTensors, start_from: int | None) -> bool:

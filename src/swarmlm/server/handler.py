@@ -21,7 +21,7 @@ from swarmlm.protocol.messages import (
     ReplyHeader,
     ServerInfo,
 )
-from swarmlm.server.backend import SpanBackend
+from swarmlm.server.backend import SpanBackend, named_results
 from swarmlm.server.inference import InferenceSessions
 from swarmlm.server.peers import refusal, short, where
 from swarmlm.server.validation import check_lora, check_span_request, max_message_bytes
@@ -113,7 +113,10 @@ class SpanHandler:
                 )
             finally:
                 self.in_flight -= 1
-            reply = ReplyHeader(ok=True, compute_ms=compute_ms, int8=header.int8)  # answered as it was sent
+            bundle = named_results(inputs, outputs)
+            # answered as it was sent (int8 or not)
+            reply = ReplyHeader(ok=True, tensors=bundle.names(), compute_ms=compute_ms, int8=header.int8)
+            outputs = bundle.tensors()
             self.served += 1
             tokens = inputs.hidden.shape[0] * inputs.hidden.shape[1]
             logger.info(

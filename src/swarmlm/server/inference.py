@@ -14,11 +14,11 @@ from transformers.cache_utils import DynamicCache
 
 from swarmlm.errors import ProtocolError
 from swarmlm.models.growing_cache import GrowingCache
-from swarmlm.protocol.bundle import SpanTensors
+from swarmlm.protocol.bundle import ReplyTensors, SpanTensors
 from swarmlm.protocol.codec import drain, encode, read_message
 from swarmlm.protocol.lora import LoraWeights
 from swarmlm.protocol.messages import InferenceOpen, InferenceStep, PushHop, PushStep, ReplyHeader
-from swarmlm.server.backend import SpanBackend
+from swarmlm.server.backend import SpanBackend, named_results
 from swarmlm.server.cache import CacheBudget, ServerBusyError
 from swarmlm.server.peers import LimitError, PeerLedger, refusal, short, where
 from swarmlm.server.validation import check_lora, check_open, check_step, max_message_bytes
@@ -170,7 +170,7 @@ class InferenceSessions:
         return ReplyHeader(ok=True)
 
     async def _push_on(
-        self, header: InferenceStep, inputs: SpanTensors, outputs: list, pushed_to: set[str]
+        self, header: InferenceStep, inputs: SpanTensors, output: ReplyTensors, pushed_to: set[str]
     ) -> str | None:
         """Send a step's output to the next server of its route; None when it took it, else why not."""
         if self.pusher is None:
@@ -179,7 +179,9 @@ class InferenceSessions:
             return "steps that reorder caches or carry prompts or LoRA weights are not pushed"
         hop, rest = header.next_hops[0], header.next_hops[1:]
         pushed_to.add(hop.session_id)
-        pushed = SpanTensors(outputs[0], attention_mask=inputs.attention_mask, position_ids=inputs.position_ids)
+        pushed = SpanTensors(
+            output.required("hidden"), attention_mask=inputs.attention_mask, position_ids=inputs.position_ids
+        )
         message = PushStep(tensors=pushed.names(), session_id=hop.session_id,
                            start_from_position=hop.start_from_position, next_hops=rest, int8=header.int8)  # fmt: skip
         return await self.pusher(hop, message, pushed.tensors())
@@ -264,13 +266,16 @@ class InferenceSessions:
                 if not intact:
                     return
                 continue
-            push_error = await self._push_on(header, inputs, outputs, pushed_to) if header.next_hops else None
+            bundle = named_results(inputs, outputs)
+            push_error = await self._push_on(header, inputs, bundle, pushed_to) if header.next_hops else None
             logger.info("inference step blocks=%d:%d tokens=%d past=%d peer=...%s %.1f ms%s",
                         session.start_block, session.end_block, inputs.hidden.shape[0] * inputs.hidden.shape[1],
                         past, peer, (time.perf_counter() - began) * 1000,
                         f" push failed: {push_error}" if push_error else "")  # fmt: skip
-            reply = ReplyHeader(ok=True, compute_ms=compute_ms, push_error=push_error, int8=header.int8)
-            for part in encode(reply, outputs, runtime_pb2.ExpertResponse):
+            reply = ReplyHeader(
+                ok=True, tensors=bundle.names(), compute_ms=compute_ms, push_error=push_error, int8=header.int8
+            )
+            for part in encode(reply, bundle.tensors(), runtime_pb2.ExpertResponse):
                 yield part
 
     async def _next_step(self, reader: _Reader, inbox: _Inbox | None) -> Message | None:
