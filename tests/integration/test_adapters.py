@@ -51,29 +51,39 @@ def ids(seed: int) -> torch.Tensor:
     return torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(seed))
 
 
-def test_a_fresh_adapter_servers_first_base_requests_are_the_base_model(folders, swarm) -> None:
-    # first in this module on purpose: the servers are fresh, no request has named an adapter yet (a fresh server
-    # once applied its last loaded adapter to requests naming none until some request named one)
+def assert_base_model_through_adapter_servers(folders: dict[str, Path], swarm: LocalSwarm) -> torch.nn.Module:
+    """Logits and greedy generation naming no adapter, through the servers holding adapters, equal the base model's;
+    returns the local base model."""
     reference = load_reference(folders["model"])
     inputs = ids(2)
     with torch.inference_mode():
         expected = reference(inputs).logits
         generated = reference.generate(inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
-    holders = (swarm.servers[0].peer_id, swarm.servers[1].peer_id)
-    with connected_model(folders["model"], swarm, allowed_servers=holders) as model:
+    with connected_model(folders["model"], swarm, allowed_servers=adapter_holders(swarm)) as model:
         with torch.inference_mode():
             logits = model(inputs).logits
         output = model.generate(inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
     assert (logits - expected).abs().max().item() <= LOGITS_ATOL
     assert output.tolist() == generated.tolist()
+    return reference
+
+
+def adapter_holders(swarm: LocalSwarm) -> tuple[str, str]:
+    return swarm.servers[0].peer_id, swarm.servers[1].peer_id
+
+
+def test_a_fresh_adapter_servers_first_base_requests_are_the_base_model(folders, swarm) -> None:
+    # first in this module on purpose: the servers are fresh, no request has named an adapter yet (a fresh server
+    # once applied its last loaded adapter to requests naming none until some request named one)
+    reference = assert_base_model_through_adapter_servers(folders, swarm)
     # deep prompt gradients of the base model through the same adapter servers
     weights = torch.randn(2, 7, 128, generator=torch.Generator().manual_seed(6))
-    options = dict(tuning_mode="deep_ptune", pre_seq_len=2, allowed_servers=holders)
+    options = dict(tuning_mode="deep_ptune", pre_seq_len=2, allowed_servers=adapter_holders(swarm))
     with connected_model(folders["model"], swarm, **options) as tuned:
         torch.manual_seed(1)
         with torch.no_grad():
             tuned.prompt_tuning.deep_prompts.normal_(std=0.5)
-        remote, local = gradients(tuned, reference.requires_grad_(False), inputs, weights)
+        remote, local = gradients(tuned, reference.requires_grad_(False), ids(2), weights)
     for actual, wanted in zip(remote, local, strict=True):
         assert_close(actual, wanted)
 
@@ -124,18 +134,7 @@ def test_deep_prompt_gradients_through_an_adapter_equal_local_peft(folders, swar
 
 
 def test_base_requests_after_adapter_requests_are_the_base_model(folders, swarm) -> None:
-    reference = load_reference(folders["model"])
-    inputs = ids(2)
-    with torch.inference_mode():
-        expected = reference(inputs).logits
-        generated = reference.generate(inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
-    holders = (swarm.servers[0].peer_id, swarm.servers[1].peer_id)
-    with connected_model(folders["model"], swarm, allowed_servers=holders) as model:
-        with torch.inference_mode():
-            logits = model(inputs).logits
-        output = model.generate(inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
-    assert (logits - expected).abs().max().item() <= LOGITS_ATOL
-    assert output.tolist() == generated.tolist()
+    assert_base_model_through_adapter_servers(folders, swarm)
 
 
 def test_an_adapter_no_server_has_is_missing_blocks(folders, swarm) -> None:

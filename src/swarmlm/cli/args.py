@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 from swarmlm.checks import (
     FRACTION,
@@ -23,6 +23,8 @@ from swarmlm.checks import (
 from swarmlm.errors import ConfigError
 from swarmlm.models.constants import ADAPTER_CONFIG, DEFAULT_MODEL
 
+T = TypeVar("T", int, float)
+
 
 class Parser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one line (the usage is one --help away); they exit with code 2."""
@@ -33,25 +35,18 @@ class Parser(argparse.ArgumentParser):
 
 def integer(allowed: Range) -> Callable[[str], int]:
     """An argparse type: an integer within `allowed`."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = None
-        if value is None or not allowed.accepts(value):
-            raise argparse.ArgumentTypeError(f"must be {allowed.describe()}, not {text!r}")
-        return value
-
-    return parse
+    return _within(int, allowed)
 
 
 def number(allowed: Range) -> Callable[[str], float]:
     """An argparse type: a finite number within `allowed`."""
+    return _within(float, allowed)
 
-    def parse(text: str) -> float:
+
+def _within(convert: Callable[[str], T], allowed: Range) -> Callable[[str], T]:
+    def parse(text: str) -> T:
         try:
-            value = float(text)
+            value = convert(text)
         except ValueError:
             value = None
         if value is None or not allowed.accepts(value):
