@@ -109,9 +109,11 @@ CASES = [
     # swarm-key
     ("swarm-key-file-exists", "swarm-key {file}",
      r"cannot write a swarm key to {file}: .*File exists"),
-    # demo (its --max-new-tokens belongs to another change)
+    # demo
     ("demo-servers-0", "demo --servers 0",
      r"--servers: must be an integer of 1 or more"),
+    ("demo-max-new-tokens-0", "demo --max-new-tokens 0",
+     r"--max-new-tokens: must be an integer of 1 or more"),
     ("demo-api-port-too-big", "demo --api --api-port 99999",
      r"--api-port: must be an integer from 0 up to 65535"),
     ("demo-api-port-taken", "demo --api --api-port {http_port}",

@@ -151,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--servers", type=positive_int, default=2, help="how many local servers split the model")
     demo.add_argument(
         "--max-new-tokens",
-        type=int,
+        type=positive_int,
         default=64,
         help="longest answer in tokens, in one-shot and chat modes (an answer cut there ends its turn)",
     )
