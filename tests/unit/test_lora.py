@@ -21,7 +21,7 @@ from swarmlm.models.loading import load_config
 from swarmlm.models.lora import linear_shapes, lora_applied
 from swarmlm.models.registry import get_family
 from swarmlm.models.span import SpanModel
-from swarmlm.protocol.bundle import SpanTensors
+from swarmlm.protocol.bundle import ReplyTensors, SpanTensors
 from swarmlm.protocol.lora import LoraSpec, LoraWeights, lora_layout
 from swarmlm.server.backend import SpanBackend
 from swarmlm.server.joining import JoinableRequest, can_join
@@ -159,9 +159,9 @@ def test_a_session_sends_its_lora_weights_once_per_server(span: SpanModel) -> No
     session = _SpanSession(SimpleNamespace(), RouteSpan("peer", 2, 5), session_start=0)
     sent: list[tuple] = []
 
-    async def exchange(header: object, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    async def exchange(header: object, tensors: list[torch.Tensor]) -> ReplyTensors:
         sent.append((header, tensors))
-        return [tensors[0]]
+        return ReplyTensors(hidden=tensors[0])
 
     session.stream.exchange = exchange  # type: ignore[method-assign]
     lora, other = random_lora(span, 0, 5, seed=1), random_lora(span, 0, 5, seed=2)
