@@ -1,0 +1,1 @@
+"""The `swarmlm` command: one parser per command, argument checks that fail in one line, the options reference."""

@@ -1,0 +1,1 @@
+"""Small shared utilities: child processes that die with their parent."""
