@@ -157,6 +157,19 @@ def test_fields_at_values_that_ask_for_nothing_are_accepted() -> None:
         assert error.value.param == field
 
 
+def test_sampling_fields_sent_as_null_take_their_defaults() -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": None, "top_p": None,
+            "n": None, "stream": None, "max_tokens": None, "seed": None, "stop": None}  # fmt: skip
+    chat = parse_body(json.dumps(body).encode(), ChatRequest)
+    assert (chat.temperature, chat.top_p, chat.n, chat.stream) == (1.0, 1.0, 1, False)
+    completion = {"model": "m", "prompt": "x", "temperature": None, "top_p": None, "n": None}
+    request = parse_body(json.dumps(completion).encode(), CompletionRequest)
+    assert (request.temperature, request.top_p, request.n) == (1.0, 1.0, 1)
+    with pytest.raises(ApiError) as error:
+        parse_body(json.dumps({**completion, "temperature": 3}).encode(), CompletionRequest)
+    assert error.value.param == "temperature"
+
+
 def test_token_logprobs_are_the_models_log_softmax_with_sorted_alternatives() -> None:
     logits = torch.tensor([[0.0, 5.0, 4.9, -3.0], [1.0, 1.5, 2.0, 0.0]])
     chosen = torch.tensor([2, 3])

@@ -6,7 +6,7 @@ import json
 from typing import Any, ClassVar, Literal, TypeVar
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 # OpenAI accepts at most this many stop strings
 MAX_STOP_STRINGS = 4
@@ -97,6 +97,14 @@ class _Request(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # a label of the end user for OpenAI's abuse monitoring: accepted, unused
+
+    @field_validator("temperature", "top_p", "n", "stream", mode="before")
+    @classmethod
+    def _null_is_default(cls, value: object, info: ValidationInfo) -> object:
+        """OpenAI's clients may send these as null, meaning "the default"."""
+        if value is None:
+            return cls.model_fields[info.field_name or ""].default
+        return value
 
     @field_validator("stop")
     @classmethod
