@@ -160,7 +160,7 @@ def demo() -> Iterator[tuple[str, list[str]]]:
         assert process.stdout is not None
         for line in process.stdout:
             lines.append(line.rstrip("\n"))
-            if line.startswith(READY_LINE):
+            if line.startswith("  curl "):  # the example request comes once the API listens, with its port
                 ready.set()
 
     threading.Thread(target=pump, daemon=True).start()
@@ -193,7 +193,8 @@ def test_demo_api_and_an_api_attached_by_its_line_answer(
     demo: tuple[str, list[str]], expected_answer: str, smollm_dir: Path
 ) -> None:
     url, lines = demo
-    assert any(f'"model": "{DISPLAY}"' in line for line in lines if line.startswith("  curl "))
+    (curl,) = [line for line in lines if line.startswith("  curl ")]
+    assert curl.startswith(f"  curl {url}/v1/chat/completions ") and f'"model": "{DISPLAY}"' in curl
     assert ask(url, DISPLAY) == expected_answer
     assert_no_path(complete_snapshot(url), smollm_dir)
     attach = lines.index("Attach to this swarm from another terminal while it runs:")

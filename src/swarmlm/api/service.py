@@ -7,6 +7,7 @@ import asyncio
 import logging
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,8 +74,9 @@ def client_info(model: DistributedCausalLMMixin, engine: Engine) -> dict[str, An
     return {"route": route, "recent": recent}
 
 
-def run_api(options: ApiOptions) -> None:
-    """Serve the API until SIGINT/SIGTERM."""
+def run_api(options: ApiOptions, on_ready: Callable[[str], None] | None = None) -> None:
+    """Serve the API until SIGINT/SIGTERM; `on_ready` is called with the base URL once it listens (the port it got,
+    when asked for port 0)."""
     check_can_listen(options.host, options.port)  # before the model loads and the swarm is joined
     model_dir = resolve_model(options.model)
     names = served_names(options.model, options.served_name)
@@ -91,7 +93,8 @@ def run_api(options: ApiOptions) -> None:
             raise RuntimeError("the model's client has no DHT")
         monitor = Monitor(manager.dht, lambda: client_info(model, engine))
         try:
-            asyncio.run(_serve(Routes(engine, names, monitor), monitor, options.host, options.port, READY_LINE))
+            routes = Routes(engine, names, monitor)
+            asyncio.run(_serve(routes, monitor, options.host, options.port, READY_LINE, on_ready))
         finally:
             engine.close()
 
@@ -129,7 +132,10 @@ def _client_dht(initial_peers: tuple[str, ...]) -> Any:
     return start_dht(initial_peers, host=host, client_mode=True)
 
 
-async def _serve(routes: Routes, monitor: Monitor, host: str, port: int, ready_line: str) -> None:
+async def _serve(
+    routes: Routes, monitor: Monitor, host: str, port: int, ready_line: str,
+    on_ready: Callable[[str], None] | None = None,
+) -> None:  # fmt: skip
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -145,6 +151,8 @@ async def _serve(routes: Routes, monitor: Monitor, host: str, port: int, ready_l
             raise SwarmError(f"cannot serve HTTP on {host}:{port}: {e.strerror or e}") from e
         bound = runner.addresses[0]
         print(f"{ready_line}http://{host}:{bound[1]}", flush=True)
+        if on_ready is not None:
+            on_ready(f"http://{host}:{bound[1]}")
         await stop.wait()
     finally:
         await monitor.close()

@@ -57,12 +57,13 @@ def _serve_api(model: str, initial_peers: list[str], port: int) -> None:
     """The OpenAI-compatible API (and monitor) over the local swarm, in this process, until Ctrl-C."""
     from swarmlm.api.service import ApiOptions, run_api
 
-    base = f"http://127.0.0.1:{port}"
-    question = '"messages": [{"role": "user", "content": "What is the capital of France?"}]'
-    body = f'{{"model": "{model_name(model).display}", {question}, "max_tokens": 64, "temperature": 0}}'
-    curl = f"curl {base}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'"
-    print(f"Monitor: {base}/   (Ctrl-C stops the API and the swarm)\nTry:\n  {curl}", flush=True)
-    run_api(ApiOptions(model=model, initial_peers=tuple(initial_peers), port=port))
+    def show_how(base: str) -> None:  # once it listens: with --api-port 0, the port is known only then
+        question = '"messages": [{"role": "user", "content": "What is the capital of France?"}]'
+        body = f'{{"model": "{model_name(model).display}", {question}, "max_tokens": 64, "temperature": 0}}'
+        curl = f"curl {base}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'"
+        print(f"Monitor: {base}/   (Ctrl-C stops the API and the swarm)\nTry:\n  {curl}", flush=True)
+
+    run_api(ApiOptions(model=model, initial_peers=tuple(initial_peers), port=port), on_ready=show_how)
 
 
 class _AnswerPrinter(BaseStreamer):
