@@ -67,6 +67,22 @@ def test_changed_config_or_weights_differ(tiny_model_dir: Path, tmp_path: Path) 
     assert model_fingerprint(other_dtype) != base
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("hidden_activation", "gelu"), ("rope_local_base_freq", 1e4), ("attn_logit_softcapping", 50.0)],
+)
+def test_family_fields_that_change_the_blocks_change_the_fingerprint(
+    tiny_model_dir: Path, tmp_path: Path, field: str, value: object
+) -> None:
+    """Fields only some families have (here Gemma's) are hashed when present: servers whose configs differ in one
+    would compute different blocks, so they must not share a swarm."""
+    first, second = (Path(shutil.copytree(tiny_model_dir, tmp_path / name)) for name in ("first", "second"))
+    config = json.loads((first / "config.json").read_text())
+    (first / "config.json").write_text(json.dumps({**config, field: value}))
+    (second / "config.json").write_text(json.dumps({**config, field: f"{value}-other"}))
+    assert len({model_fingerprint(tiny_model_dir), model_fingerprint(first), model_fingerprint(second)}) == 3
+
+
 def test_reads_only_samples_of_large_files(tmp_path: Path, tiny_model_dir: Path) -> None:
     big = tmp_path / "big"
     big.mkdir()

@@ -50,6 +50,10 @@ FAMILY_FIELDS = (
     "final_logit_softcapping",
     "num_local_experts",
     "num_experts_per_tok",
+    "hidden_activation",  # Gemma's MLP activation (its hidden_act is ignored when this is set)
+    "rope_local_base_freq",  # Gemma 3's rotary base of its sliding-window layers
+    "sliding_window_pattern",  # Gemma 3 configs that give the pattern instead of layer_types
+    "use_bidirectional_attention",
 )
 # bytes read at the start, middle and end of each tensor: enough to tell apart any two trained or random checkpoints
 SAMPLE_BYTES = 64
