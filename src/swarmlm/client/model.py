@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-from transformers import PretrainedConfig, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from swarmlm.checks import POSITIVE_INT, check_range
@@ -23,22 +23,13 @@ from swarmlm.client.trace import RequestTrace
 from swarmlm.config import ClientConfig
 from swarmlm.errors import ConfigError, ModelLoadError
 from swarmlm.models.fingerprint import model_fingerprint
-from swarmlm.models.loading import load_config, load_tensors, load_tokenizer, resolve_model
+from swarmlm.models.loading import checkpoint_dtype, load_config, load_tensors, load_tokenizer, resolve_model
 from swarmlm.models.naming import default_dht_prefix
 from swarmlm.models.registry import ModelFamily, get_family
 from swarmlm.protocol.messages import ServerInfo
 from swarmlm.swarm.private import load_swarm_key
 
 logger = logging.getLogger(__name__)
-
-
-def checkpoint_dtype(config: PretrainedConfig) -> torch.dtype:
-    """The dtype a checkpoint's config names (transformers 5 reads config.json's torch_dtype as dtype); float32
-    when it names none."""
-    named = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    if isinstance(named, str):
-        named = getattr(torch, named, None)
-    return named if isinstance(named, torch.dtype) else torch.float32
 
 
 class DistributedCausalLMMixin(RemoteGenerationMixin):
