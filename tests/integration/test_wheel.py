@@ -33,7 +33,8 @@ def build_wheel(tmp_path: Path) -> Path:
     source.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, source / name)
-    shutil.copytree(ROOT / "src", source / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    # without the library an editable install built in place: the wheel's build compiles its own
+    shutil.copytree(ROOT / "src", source / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info", "*.so"))
     run([sys.executable, "-m", "build", "--no-isolation", "--outdir", tmp_path / "dist", source], tmp_path,
         BUILD_TIMEOUT_S)  # fmt: skip
     (wheel,) = (tmp_path / "dist").glob("swarmlm-*.whl")
@@ -73,12 +74,14 @@ def test_the_wheel_installs_and_runs_without_the_checkout(tmp_path: Path) -> Non
     assert "--blocks" in run([swarmlm, "serve", "--help"], elsewhere)
     assert "--initial-peers" in run([swarmlm, "api", "--help"], elsewhere)
     data = (
-        "from swarmlm.api.app import STATIC; from swarmlm.client.rows_kernel import SOURCE; "
-        "from swarmlm.tools.train import DATASET; "
-        "print(all(p.is_file() for p in (STATIC / 'index.html', STATIC / 'monitor.js', SOURCE, DATASET)))"
+        "from swarmlm.api.app import STATIC; from swarmlm.tools.train import DATASET; "
+        "print(all(p.is_file() for p in (STATIC / 'index.html', STATIC / 'monitor.js', DATASET)))"
     )
     assert run([python, "-c", data], elsewhere).strip() == "True", "package data is missing from the wheel"
+    kernel = "from swarmlm.client import rows_kernel as k; print(k.library_path(), k.kernel() is not None)"
+    library, usable = run([python, "-c", kernel], elsewhere).split()
+    assert Path(library).is_relative_to(venv) and usable == "True", "the LM head's kernel was not built into the wheel"
 
-    # the whole path from the wheel: a server process, the client, the tokenizer and the kernel's C source
+    # the whole path from the wheel: a server process, the client, the tokenizer and the LM head's kernel
     answer = run([swarmlm, "demo", "--servers", "1", "--max-new-tokens", "8"], elsewhere, DEMO_TIMEOUT_S)
     assert "Paris" in answer, answer

@@ -1,9 +1,12 @@
-"""The rows kernel of the client's LM head: built here with the machine's compiler, equal to torch's product on every
-shape and row count, the same bits for a row alone or among others, and torch's product wherever it cannot be had."""
+"""The rows kernel of the client's LM head: built at install, each variant this CPU runs equal to torch's product on
+every shape and row count, the same bits for a row alone or among others, and torch's product wherever it cannot be
+had."""
 
 from __future__ import annotations
 
+import platform
 import shutil
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -14,42 +17,50 @@ from swarmlm.client import rows_kernel
 from swarmlm.client.head_batching import HeadBatcher
 
 COMPILER = shutil.which("cc") or shutil.which("gcc")
+CPU_FLAGS = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+# the wide variants are built for x86-64 by GCC, the compiler Python's own build names (sysconfig's CC)
+WIDE_BUILT = platform.machine() == "x86_64" and "clang" not in (sysconfig.get_config_var("CC") or "")
 
 
 @pytest.fixture
-def fresh(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
-    """An empty kernel cache directory, and no library loaded yet in this process."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+def fresh(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No library loaded yet in this process, and the kernel not turned off."""
     monkeypatch.delenv(rows_kernel.DISABLE_ENV, raising=False)
     monkeypatch.setattr(rows_kernel, "_loaded", {})
-    return tmp_path / "swarmlm" / "kernels"
 
 
-@pytest.fixture
-def kernel() -> rows_kernel.RowsKernel:
-    loaded = rows_kernel.kernel()
-    if COMPILER is not None:
-        assert loaded is not None, "a C compiler is on PATH, yet the rows kernel was not built (see the log)"
+@pytest.fixture(params=[4, 8, 16], ids=lambda lanes: f"{lanes}-lanes")
+def kernel(request: pytest.FixtureRequest, fresh: None) -> rows_kernel.RowsKernel:
+    """Each variant of the kernel this CPU runs (4 floats per vector on any CPU, 8 with AVX2 and FMA, 16 with
+    AVX-512 on x86-64)."""
+    _require_the_library()
+    loaded = rows_kernel.kernel(request.param)
     if loaded is None:
-        pytest.skip("no C compiler here: the kernel cannot be built, products run in torch")
+        assert request.param not in _expected_variants(), f"this CPU runs the {request.param}-lane variant"
+        pytest.skip(f"this CPU does not run the {request.param}-lane variant")
+    assert loaded.lanes == request.param
     return loaded
 
 
-def test_a_machine_with_a_c_compiler_builds_the_kernel_once(fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _require_the_library() -> None:
+    if rows_kernel.library_path() is None:
+        assert COMPILER is None, "a C compiler is on PATH, yet the rows kernel was not built at install"
+        pytest.skip("no C compiler here: the kernel was not built, products run in torch")
+
+
+def _expected_variants() -> set[int]:
+    """The variants the CPU's flags say it runs (x86-64 Linux; elsewhere only the portable one is built)."""
+    if not WIDE_BUILT:
+        return {4}
+    return {4} | ({8} if {"avx2", "fma"} <= CPU_FLAGS else set()) | ({16} if "avx512f" in CPU_FLAGS else set())
+
+
+def test_the_installed_kernel_runs_the_widest_variant_of_this_cpu(fresh: None) -> None:
+    _require_the_library()
     loaded = rows_kernel.kernel()
-    assert (loaded is not None) == (COMPILER is not None)
-    if loaded is None:
-        return
-    assert loaded.lanes in (4, 8, 16)
-    (library,) = fresh.glob("rows_kernel-*.so")  # nothing half-written is left beside it
-    assert rows_kernel.kernel() is loaded  # loaded once per process
-
-    def no_build(*args: object) -> None:
-        raise AssertionError("built again although the library is in the cache")
-
-    monkeypatch.setattr(rows_kernel, "_loaded", {})  # as another process would: the library is reused
-    monkeypatch.setattr(rows_kernel, "_build", no_build)
-    assert rows_kernel.kernel() is not None
+    assert loaded is not None and rows_kernel.kernel() is loaded  # loaded once per process
+    assert loaded.lanes == max(_expected_variants())
+    assert {lanes for lanes in (4, 8, 16) if rows_kernel.kernel(lanes) is not None} == _expected_variants()
 
 
 @pytest.mark.parametrize(("out_features", "in_features"), [(1, 1), (37, 40), (300, 64), (49, 50), (2, 576)])
@@ -88,16 +99,15 @@ def test_wrong_inputs_get_clear_errors(kernel) -> None:
         kernel.pack(torch.randn(10, 20, dtype=torch.bfloat16))
 
 
-@pytest.mark.parametrize("how", ["no compiler", "a compiler that fails", "turned off"])
-def test_without_the_kernel_the_head_runs_in_torch(fresh: Path, monkeypatch: pytest.MonkeyPatch, how: str) -> None:
-    if how == "no compiler":
-        monkeypatch.setenv("CC", str(fresh / "no-such-cc"))
-    elif how == "a compiler that fails":
-        monkeypatch.setenv("CC", "false")
+@pytest.mark.parametrize("how", ["not built", "a library that is not the kernel", "turned off"])
+def test_without_the_kernel_the_head_runs_in_torch(fresh: None, monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    if how == "not built":
+        monkeypatch.setattr(rows_kernel, "LIBRARY", "swarmlm.client._no_such_library")
+    elif how == "a library that is not the kernel":
+        monkeypatch.setattr(rows_kernel, "LIBRARY", "_ctypes")  # a shared library without the kernel's functions
     else:
         monkeypatch.setenv(rows_kernel.DISABLE_ENV, "1")
     assert rows_kernel.kernel() is None
-    assert not list(fresh.glob("*.so*"))  # no library, and no temporary file left
     torch.manual_seed(2)
     head = torch.nn.Linear(64, 300, bias=True)
     with torch.no_grad():

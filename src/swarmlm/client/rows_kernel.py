@@ -7,42 +7,34 @@ about 2 or 3 times as long as 1 (`python bench/head_batch.py`). rows_kernel.c re
 for it front to back once for up to 8 rows (4 without AVX-512), so that 2 rows cost about what 1 costs, and 4 rows
 about 1.4 times as much.
 
-The kernel is compiled on first use by the machine's C compiler ($CC, else cc or gcc on PATH) for the CPU it runs on
-(-O3 -march=native), and kept in the user's cache directory ($XDG_CACHE_HOME or ~/.cache, under swarmlm/kernels),
-keyed by its source, the compiler and the CPU. Without a compiler, when the build fails or its result does not
-match torch's product, or with SWARMLM_NO_KERNEL=1 in the environment, kernel() is None and products run as
-torch runs them.
+The kernel is a small C library built when the package is installed (pyproject.toml: one portable build holding a
+variant per vector width, of which it runs the widest this CPU has). Where it was not built (no C compiler at
+install, or the package run from a source tree without installing it), when it does not match torch's product, or
+with SWARMLM_NO_KERNEL=1 in the environment, kernel() is None and products run as torch runs them.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
+import importlib.util
 import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F  # noqa: N812 - the usual name
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("rows_kernel.c")
-FLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
+LIBRARY = "swarmlm.client._rows_kernel"  # the built library's name, as an extension module (pyproject.toml)
 # products of more rows than this run as torch runs them (the kernel reads the weight once per 8 rows; beyond 12,
 # MKL's general product is as fast)
 MAX_ROWS = 12
-COMPILE_TIMEOUT_S = 120.0
 DISABLE_ENV = "SWARMLM_NO_KERNEL"
 
 _lock = threading.Lock()
-_loaded: dict[tuple[str | None, str | None], RowsKernel | None] = {}  # by $CC and $XDG_CACHE_HOME
+_loaded: dict[int | None, RowsKernel | None] = {}  # by the vector width asked for (None: the widest)
 
 
 @dataclass(frozen=True, eq=False)
@@ -58,16 +50,15 @@ class PackedWeight:
 class RowsKernel:
     """The compiled kernel: pack(weight) once, then product(rows, packed) as often as needed."""
 
-    def __init__(self, library: ctypes.CDLL):
+    def __init__(self, library: ctypes.CDLL, lanes: int):
         self._library = library  # kept alive as long as its functions are used
-        self._product = library.rows_product
+        self._product = library.rows_product_lanes
         self._product.restype = ctypes.c_int
         self._product.argtypes = [
-            ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
-            ctypes.c_long, ctypes.c_long,
+            ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
+            ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
         ]  # fmt: skip
-        library.rows_lanes.restype = ctypes.c_int
-        self.lanes = int(library.rows_lanes())
+        self.lanes = lanes  # the variant it runs: floats per vector
 
     def pack(self, weight: torch.Tensor) -> PackedWeight:
         """The kernel's copy of a float32 CPU weight (out, in): as large as the weight, plus padding."""
@@ -95,8 +86,8 @@ class RowsKernel:
         out = torch.empty(rows.shape[0], packed.out_features, dtype=torch.float32)
         if rows.shape[0]:
             status = self._product(
-                rows.data_ptr(), packed.padded_in, packed.data.data_ptr(), packed.out_features, packed.padded_in,
-                out.data_ptr(), packed.out_features, rows.shape[0],
+                self.lanes, rows.data_ptr(), packed.padded_in, packed.data.data_ptr(), packed.out_features,
+                packed.padded_in, out.data_ptr(), packed.out_features, rows.shape[0],
             )  # fmt: skip
             if status != 0:
                 raise RuntimeError(f"the rows kernel refused a product of shape {tuple(rows.shape)} ({status})")
@@ -110,81 +101,45 @@ def float32_cpu_matrix(weight: torch.Tensor) -> bool:
     return weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2
 
 
-def kernel() -> RowsKernel | None:
-    """The kernel, built or loaded on the first call; None where it cannot be had (products then run in torch)."""
+def kernel(lanes: int | None = None) -> RowsKernel | None:
+    """The kernel, loaded on the first call; None where it cannot be had (products then run in torch). `lanes` asks
+    for one variant (4, 8 or 16 floats per vector) instead of the widest this CPU runs; None where the CPU lacks it."""
     if os.environ.get(DISABLE_ENV, "").strip() not in ("", "0"):
         return None
-    settings = (os.environ.get("CC"), os.environ.get("XDG_CACHE_HOME"))  # what decides which library it is
     with _lock:
-        if settings not in _loaded:
-            _loaded[settings] = _find()
-        return _loaded[settings]
+        if lanes not in _loaded:
+            _loaded[lanes] = _load(lanes)
+        return _loaded[lanes]
 
 
-def _find() -> RowsKernel | None:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        logger.info("the LM head runs in torch: no C compiler for its rows kernel (set CC, or install gcc)")
+def library_path() -> str | None:
+    """Where the installed library is, or None where it was not built."""
+    spec = importlib.util.find_spec(LIBRARY)
+    return spec.origin if spec is not None else None
+
+
+def _load(lanes: int | None) -> RowsKernel | None:
+    """Load the library, pick its variant, and check it against torch's product."""
+    path = library_path()
+    if path is None:
+        logger.info("the LM head runs in torch: its rows kernel was not built when swarmlm was installed "
+                    "(install it with a C compiler on PATH to build it)")  # fmt: skip
         return None
-    return _load(compiler, cache_dir() / f"rows_kernel-{_fingerprint(compiler)}.so")
-
-
-def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "swarmlm" / "kernels"
-
-
-def _fingerprint(compiler: str) -> str:
-    """What the compiled library depends on: the source, the compiler and its flags, and this CPU (-march=native)."""
-    digest = hashlib.sha256(SOURCE.read_bytes())
-    digest.update(" ".join([compiler, *FLAGS, platform.machine()]).encode())
-    digest.update(_cpu_identity().encode())
-    return digest.hexdigest()[:20]
-
-
-def _cpu_identity() -> str:
-    """The CPU's model and feature flags (Linux), which decide what -march=native builds."""
     try:
-        lines = Path("/proc/cpuinfo").read_text(errors="replace").splitlines()
-    except OSError:
-        return platform.processor()
-    wanted = ("model name", "flags", "Features", "CPU part")
-    return "\n".join(sorted({line for line in lines if line.split(":")[0].strip() in wanted}))
-
-
-def _load(compiler: str, library: Path) -> RowsKernel | None:
-    """Build the library unless it is there, load it, and check it against torch's product."""
-    try:
-        if not library.exists():
-            _build(compiler, library)
-        loaded = RowsKernel(ctypes.CDLL(str(library)))
+        library = ctypes.CDLL(path)
+        library.rows_supports.restype = library.rows_lanes.restype = ctypes.c_int
+        library.rows_supports.argtypes = [ctypes.c_int]
+        if lanes is not None and not library.rows_supports(lanes):
+            return None
+        loaded = RowsKernel(library, lanes or int(library.rows_lanes()))
         _check(loaded)
-    except (OSError, RuntimeError, ValueError, AssertionError, subprocess.SubprocessError) as e:
+    except (OSError, AttributeError, RuntimeError, ValueError, AssertionError) as e:
         text = str(e).strip().splitlines()
         logger.warning("the LM head runs in torch: its rows kernel is not usable here (%s)",
                        text[-1] if text else type(e).__name__)  # fmt: skip
         return None
-    logger.debug("rows kernel ready: %s (%d lanes)", library, loaded.lanes)
+    logger.debug("rows kernel ready: %s (%d lanes)", path, loaded.lanes)
     return loaded
-
-
-def _build(compiler: str, library: Path) -> None:
-    """Compile into a temporary file beside the target, then move it into place: processes that build at once each
-    leave a whole library, never a half-written one."""
-    library.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=library.stem, suffix=".so.tmp", dir=library.parent)
-    os.close(handle)
-    try:
-        done = subprocess.run(
-            [compiler, *FLAGS, "-o", temporary, str(SOURCE)],
-            capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S, check=False,
-        )  # fmt: skip
-        if done.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {(done.stderr or done.stdout).strip()[-400:]}")
-        os.replace(temporary, library)
-    finally:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
 
 
 def _check(loaded: RowsKernel) -> None:
