@@ -62,6 +62,12 @@ class CallStats:
         return fixed, per_work
 
 
+def ban_seconds(failures: int, base_s: float, max_s: float) -> float:
+    """How long a server is avoided after its `failures`-th failure in a row: base_s, doubled per further failure,
+    at most max_s."""
+    return min(base_s * 2 ** (failures - 1), max_s)
+
+
 class Health:
     """Bans (exponential back-off per failing server) and call statistics per server."""
 
@@ -76,7 +82,7 @@ class Health:
     def ban(self, peer_id: str) -> float:
         """Ban a failed server; each further failure doubles the ban (up to ban_max_s). Returns its length in s."""
         failures = self._bans.get(peer_id, (0.0, 0))[1] + 1
-        duration = min(self.ban_base_s * 2 ** (failures - 1), self.ban_max_s)
+        duration = ban_seconds(failures, self.ban_base_s, self.ban_max_s)
         self._bans[peer_id] = (time.monotonic() + duration, failures)
         return duration
 
