@@ -10,6 +10,7 @@ from swarmlm.cli.args import Parser, check_arguments, fraction, non_negative, po
 from swarmlm.config import ServerConfig
 from swarmlm.errors import SwarmError
 from swarmlm.models.constants import DEFAULT_MODEL, QUANT_MODES
+from swarmlm.sim import cli as simulate_cli
 
 logger = logging.getLogger(__name__)
 
@@ -178,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="Adam learning rate (default: 3e-3 prompts, 1e-3 lora)")  # fmt: skip
     train.add_argument("--save", default=None, metavar="DIR",
                        help="save the trained prompts, or the LoRA adapter (a PEFT folder), here")  # fmt: skip
+    simulate_cli.add_parser(sub)
     return parser
 
 
@@ -333,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("hivemind").setLevel(logging.WARNING)
     try:
         commands = {"serve": _serve, "dht": _dht, "demo": _demo, "train": _train, "api": _api, "monitor": _monitor,
-                    "status": _status, "swarm-key": _new_swarm_key}  # fmt: skip
+                    "status": _status, "swarm-key": _new_swarm_key, "simulate": simulate_cli.run}  # fmt: skip
         check_arguments(args)
         commands[args.command](args)
     except SwarmError as e:
