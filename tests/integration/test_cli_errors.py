@@ -156,6 +156,13 @@ CASES = [
      r"--initial-peers: 'garbage' is not a peer's multiaddr"),
     ("status-peers-no-peer-id", "status --initial-peers /ip4/127.0.0.1/tcp/31337",
      r"must end with /p2p/ and the peer's id"),
+    # simulate
+    ("simulate-servers-0", "simulate --servers 0 --out {folder}",
+     r"--servers: must be an integer of 1 or more, not '0'"),
+    ("simulate-hours-negative", "simulate --hours -1 --out {folder}",
+     r"--hours: must be a number above 0, not '-1'"),
+    ("simulate-out-under-a-file", "simulate --hours 0.01 --servers 2 --clients 1 --out {file}/report",
+     r"--out {file}/report: cannot create the folder"),
 ]  # fmt: skip
 
 
