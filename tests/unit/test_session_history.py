@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from swarmlm.client.inference import cut_history, merge_history
+from swarmlm.client.session_state import cut_history, merge_history
 from swarmlm.protocol.bundle import SpanTensors
 
 
