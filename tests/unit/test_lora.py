@@ -14,8 +14,8 @@ import torch.nn.functional as F  # noqa: N812 - the usual name
 from pydantic import ValidationError
 from transformers.cache_utils import DynamicCache
 
-from swarmlm.client.inference import _SpanSession
 from swarmlm.client.lora import LoraTuning, block_shapes
+from swarmlm.client.session_links import SpanLink
 from swarmlm.errors import ProtocolError
 from swarmlm.models.loading import load_config
 from swarmlm.models.lora import linear_shapes, lora_applied
@@ -156,7 +156,7 @@ def test_the_server_checks_lora_weights_against_its_own_modules(span: SpanModel)
 
 
 def test_a_session_sends_its_lora_weights_once_per_server(span: SpanModel) -> None:
-    session = _SpanSession(SimpleNamespace(), RouteSpan("peer", 2, 5), session_start=0)
+    session = SpanLink(SimpleNamespace(), RouteSpan("peer", 2, 5), session_start=0)
     sent: list[tuple] = []
 
     async def exchange(header: object, tensors: list[torch.Tensor]) -> ReplyTensors:
