@@ -247,10 +247,10 @@ def test_inference_steps_run_between_the_blocks_of_a_long_request() -> None:
 
     def long_forward():  # noqa: ANN202 - a generator, as SpanBackend._run_by_block
         for block in range(4):
+            yield  # before each quantum
             order.append(f"block {block}")
             started.set()
             queued.wait(10)  # the first block ends once the step waits in the queue
-            yield
         return "forward done"
 
     async def main() -> list[object]:
@@ -275,9 +275,9 @@ def test_a_caller_that_gives_up_stops_its_long_request() -> None:
 
     def endless():  # noqa: ANN202
         while True:
+            yield
             ran.append(1)
             started.set()
-            yield
 
     async def main() -> None:
         scheduler = Scheduler(ThreadPoolExecutor(1), lambda steps: [], LIMITS)
@@ -293,6 +293,40 @@ def test_a_caller_that_gives_up_stops_its_long_request() -> None:
         assert len(ran) == at_turn  # no more quanta once its caller is gone
 
     asyncio.run(main())
+
+
+def test_long_work_runs_in_small_quanta_while_sessions_decode_and_in_whole_blocks_otherwise() -> None:
+    """The decision itself, on a fake clock: a decode step arriving meanwhile waits for the quantum in progress."""
+    limits, state = BatchLimits(quantum_tokens=128, active_s=1.0), SchedulerState()
+    forward = Task(Kind.FORWARD, "trainer", 1)
+    assert schedule([forward], state, limits, 0.0) == Decision([forward], quantum=0)  # nobody decodes here
+    step = decode()
+    state.track(step, 0.0)
+    assert schedule([forward], state, limits, 0.5) == Decision([forward], quantum=128)  # a session stepped 0.5 s ago
+    assert schedule([forward], state, limits, 1.5).quantum == 0  # it has been idle for longer than active_s
+    state.track(step, 1.6)
+    assert schedule([forward], state, limits, 1.7).quantum == 128
+    assert schedule([forward], state, dataclasses.replace(limits, quantum_tokens=0), 1.7).quantum == 0
+    state.forget(step.cache)
+    assert schedule([forward], state, limits, 1.7).quantum == 0  # the session ended
+
+
+def test_the_executor_sends_each_quantum_its_size() -> None:
+    sizes: list[int | None] = []
+
+    def long_forward():  # noqa: ANN202 - a generator, as SpanBackend._run_by_block
+        for _ in range(3):
+            sizes.append((yield))
+        return "done"
+
+    async def main() -> None:
+        scheduler = Scheduler(ThreadPoolExecutor(1), lambda steps: [], BatchLimits(quantum_tokens=64))
+        assert await scheduler.submit(Kind.FORWARD, "trainer", long_forward) == "done"
+        scheduler.state.track(decode(), scheduler.clock())  # a session decodes here
+        assert await scheduler.submit(Kind.BACKWARD, "trainer", long_forward) == "done"
+
+    asyncio.run(main())
+    assert sizes == [0, 0, 0, 64, 64, 64]
 
 
 def test_a_decode_step_waits_for_a_session_due_within_the_wait_and_no_longer() -> None:

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Generator
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -20,6 +19,7 @@ from swarmlm.models.span import SpanModel
 from swarmlm.protocol.bundle import ReplyTensors, SpanTensors
 from swarmlm.protocol.lora import LoraWeights
 from swarmlm.server.joining import JoinableRequest, join, split
+from swarmlm.server.pieces import BlockGraph, SpanCall, Spent, backward_block, forward_block, forward_block_graph
 from swarmlm.server.scheduler import BatchLimits, DecodeStep, Kind, Scheduler
 from swarmlm.server.validation import SpanLimits
 
@@ -72,7 +72,7 @@ class SpanBackend:
 
     def _run_joined(
         self, requests: list[JoinableRequest]
-    ) -> Generator[None, None, list[tuple[list[torch.Tensor], float]]]:
+    ) -> Generator[None, int | None, list[tuple[list[torch.Tensor], float]]]:
         """Requests joined along the batch dimension as one computation, a block at a time; each gets its own
         results (and the shared compute time)."""
         start, end = requests[0].start, requests[0].end
@@ -95,65 +95,47 @@ class SpanBackend:
 
     def _run_by_block(
         self, start: int, end: int, inputs: SpanTensors, adapter: str | None, lora: LoraWeights | None = None
-    ) -> Generator[None, None, tuple[list[torch.Tensor], float]]:
-        """The one computation of a span, yielding after each block: its forward, then, when grad_outputs are
-        given, the backward block by block in reverse (each block's graph is cut from the next one's, so a block's
-        input gradient is exactly what autograd through the whole span gives). Returns the results in the sender's
-        dtypes and the compute time in ms. No grad mode is held across a yield: other work runs in between, and the
-        request's own LoRA weights are hooked into a block only while it runs (models/lora.py)."""
+    ) -> Generator[None, int | None, tuple[list[torch.Tensor], float]]:
+        """The one computation of a span, in pieces (server.pieces: a block, or a chunk of a block's tokens, at a
+        time, of the sizes the scheduler sends): its forward, then, when grad_outputs are given, the backward block
+        by block in reverse (each block's graph is cut from the next one's, so a block's input gradient is exactly
+        what autograd through the whole span gives). Returns the results in the sender's dtypes and the compute
+        time in ms. No grad mode is held across a yield: other work runs in between, and the request's own LoRA
+        weights are hooked into a block only while it runs (models/lora.py)."""
         backward = inputs.grad_outputs is not None
-        spent = 0.0
+        spent = Spent()
         mask = None if inputs.attention_mask is None else inputs.attention_mask.to(self.device)
         positions = None if inputs.position_ids is None else inputs.position_ids.to(self.device)
+        call = SpanCall(self.span, mask, positions, adapter)
         hidden = inputs.hidden.to(self.device, self.dtype)
         prompts = None if inputs.prompts is None else inputs.prompts.to(self.device, self.dtype)
         lora = None if lora is None else lora.with_flat(lora.flat.to(self.device))
-        saved: list[tuple[torch.Tensor, torch.Tensor | None, LoraWeights | None, torch.Tensor]] = []  # per block
+        graphs: list[BlockGraph] = []
         for block in range(start, end):
-            began = time.perf_counter()
-            with _grad_mode(backward):
-                block_input = hidden.detach().requires_grad_() if backward else hidden
-                prompt = None if prompts is None else prompts[block - start : block - start + 1]
-                if prompt is not None and backward:
-                    prompt = prompt.detach().requires_grad_()
-                block_lora = None if lora is None else lora.blocks(block, block + 1)
-                if block_lora is not None and backward:
-                    block_lora = block_lora.with_flat(block_lora.flat.detach().requires_grad_())
-                # the adapter is chosen again at every block: other work, maybe with another one, runs in between
-                hidden = self.span(
-                    block_input, start=block, end=block + 1, attention_mask=mask, position_ids=positions,
-                    prompts=prompt, adapter=adapter, lora=block_lora,
-                )  # fmt: skip
-                if backward:
-                    saved.append((block_input, prompt, block_lora, hidden))
-            spent += time.perf_counter() - began
-            yield
+            prompt = None if prompts is None else prompts[block - start : block - start + 1]
+            block_lora = None if lora is None else lora.blocks(block, block + 1)
+            if backward:
+                hidden, graph = yield from forward_block_graph(call, block, hidden, prompt, block_lora, spent)
+                graphs.append(graph)
+            else:
+                hidden = yield from forward_block(call, block, hidden, prompt, block_lora, spent)
         if inputs.grad_outputs is None:
-            return [hidden.to("cpu", inputs.hidden.dtype)], spent * 1000
+            return [hidden.to("cpu", inputs.hidden.dtype)], spent.seconds * 1000
         grad = inputs.grad_outputs.to(self.device, self.dtype)
         prompt_grads: list[torch.Tensor] = []
         lora_grads: list[torch.Tensor] = []
-        for block_input, prompt, block_lora, output in reversed(saved):
-            began = time.perf_counter()
-            with torch.enable_grad():
-                wrt = [block_input] + ([] if prompt is None else [prompt])
-                wrt += [] if block_lora is None else [block_lora.flat]
-                # allow_unused: LoRA weights of modules the output does not depend on get a zero gradient
-                grads = torch.autograd.grad(output, wrt, grad_outputs=grad, allow_unused=True)
-            grad = grads[0]
-            if prompt is not None:
-                prompt_grads.insert(0, grads[1])
-            if block_lora is not None:
-                lora_grad = grads[-1]
-                lora_grads.insert(0, torch.zeros_like(block_lora.flat) if lora_grad is None else lora_grad)
-            spent += time.perf_counter() - began
-            yield
+        for graph in reversed(graphs):
+            grad, prompt_grad, lora_grad = yield from backward_block(graph, grad, spent)
+            if prompt_grad is not None:
+                prompt_grads.insert(0, prompt_grad)
+            if lora_grad is not None:
+                lora_grads.insert(0, lora_grad)
         results = [grad.to("cpu", inputs.hidden.dtype)]
         if inputs.prompts is not None:
             results.append(torch.cat(prompt_grads, dim=0).to("cpu", inputs.prompts.dtype))
         if lora is not None:
             results.append(torch.cat(lora_grads).to("cpu", lora.flat.dtype))
-        return results, spent * 1000
+        return results, spent.seconds * 1000
 
     async def step(
         self,
@@ -332,10 +314,3 @@ def _plain_prompt(
     return positions is None or (
         tuple(positions.shape) == (1, tokens) and torch.equal(positions[0].long(), torch.arange(tokens))
     )
-
-
-@contextlib.contextmanager
-def _grad_mode(backward: bool) -> Iterator[None]:
-    """Autograd on for a backward's blocks, inference mode for a forward's."""
-    with torch.enable_grad() if backward else torch.inference_mode():
-        yield

@@ -45,9 +45,10 @@ class Work:
 
     run: Callable[[], Any]  # runs this request alone, on the compute thread; may return a generator (see below)
     future: asyncio.Future[Any] | None = field(default=None, repr=False)
-    # a long request runs as a generator yielding between quanta (blocks): it goes back into the queue after each
-    # quantum, so more urgent work (inference steps) and other peers' turns run in between; its return is the result
-    quanta: Generator[None, None, Any] | None = field(default=None, repr=False)
+    # a long request runs as a generator of quanta (server.pieces): it yields before each one and is sent its size in
+    # tokens (0: a whole block); it goes back into the queue after each quantum, so more urgent work (inference
+    # steps) and other peers' turns run in between; its return is the result
+    quanta: Generator[None, int | None, Any] | None = field(default=None, repr=False)
     members: list[Task] | None = field(default=None, repr=False)  # of a joined task: the requests it runs
 
 
@@ -165,7 +166,7 @@ class Scheduler:
                 continue
             batch = self._take(decision)
             if batch:
-                await self._run(batch)
+                await self._run(batch, decision.quantum)
 
     async def _wait(self, until: float) -> None:
         """Until `until` on the clock, or until a request arrives, whichever comes first."""
@@ -186,15 +187,16 @@ class Scheduler:
             batch = [self._merge(batch)]
         return batch
 
-    async def _run(self, batch: list[Task]) -> None:
-        """Run a batch on the compute thread and hand its results (or its failure) to its callers."""
+    async def _run(self, batch: list[Task], quantum: int = 0) -> None:
+        """Run a batch on the compute thread and hand its results (or its failure) to its callers; a long task
+        runs its next quantum, of `quantum` tokens (0: a whole block)."""
         loop = asyncio.get_running_loop()
         members = [member for task in batch for member in (_work(task).members or [task])]
         self.state.served([task.peer for task in members], {task.peer for task in self.queue})
         self._measure()
         began = self.clock()
         try:
-            results = await loop.run_in_executor(self.executor, self._execute, batch)
+            results = await loop.run_in_executor(self.executor, self._execute, batch, quantum)
         except BaseException as e:  # noqa: BLE001 - every waiting caller gets the failure, then the loop goes on
             _fail(batch, e)
             if isinstance(e, asyncio.CancelledError):
@@ -236,10 +238,10 @@ class Scheduler:
         self.joined_requests += len(batch)
         return merged
 
-    def _execute(self, batch: list[Task]) -> list[Any]:
+    def _execute(self, batch: list[Task], quantum: int) -> list[Any]:
         """On the compute thread."""
         if len(batch) == 1:
-            return self._advance(batch[0])
+            return self._advance(batch[0], quantum)
         steps = [task.decode for task in batch if task.decode is not None]
         results = self.run_decodes(steps)
         if steps[0].prompt:
@@ -252,17 +254,18 @@ class Scheduler:
         return results
 
     @staticmethod
-    def _advance(task: Task) -> Any:
-        """Run a lone task, or the next quantum of a long one: [its result], or _UNFINISHED."""
+    def _advance(task: Task, quantum: int) -> Any:
+        """Run a lone task, or the next quantum (of `quantum` tokens) of a long one: [its result], or _UNFINISHED."""
         work = _work(task)
-        if work.quanta is None:
-            result = work.run()
-            if not inspect.isgenerator(result):
-                return [result]
-            work.quanta = cast(Generator[None, None, Any], result)
-            task.started = True  # from now on it runs alone: it never joins others
         try:
-            next(work.quanta)
+            if work.quanta is None:
+                result = work.run()
+                if not inspect.isgenerator(result):
+                    return [result]
+                work.quanta = cast(Generator[None, int | None, Any], result)
+                task.started = True  # from now on it runs alone: it never joins others
+                next(work.quanta)  # to the yield before its first quantum
+            work.quanta.send(quantum)
         except StopIteration as done:
             return [done.value]
         return _UNFINISHED

@@ -79,7 +79,7 @@ class Task:
     # of a prompt left over when prompts waiting together were split into groups: the size of each group (the rest
     # of the wave is not split again)
     group: int = 0
-    # a long request that ran a quantum already (it runs as a generator, see server.scheduler): never joined again
+    # a long request that ran a quantum already (it runs as a generator, see server.pieces): never joined again
     started: bool = False
     work: Work | None = field(default=None, repr=False)  # what the executor runs; no decision reads it
 
@@ -103,6 +103,10 @@ class BatchLimits:
     # of those, how many come after this one: fresh sessions' prompts waiting together run as 1 + later_stages
     # forwards (the next server starts on the first while this one computes the next); the last server joins them
     later_stages: int = 0
+    # tokens (rows x positions) a quantum of a long forward/backward computes while sessions decode here: a decode
+    # step that arrives waits for the quantum in progress (a whole block of a 2048-token pass takes ~0.3 s on a CPU
+    # core; 256 tokens of it ~40 ms). Without decoding sessions a quantum is a whole block (0)
+    quantum_tokens: int = 256
 
 
 def next_batch(queue: Sequence[Task], limits: BatchLimits, last_served: Mapping[str, int]) -> list[Task]:
@@ -307,16 +311,32 @@ class Decision:
     # runs, so the rest of the wave runs in groups of the same size
     regroup: list[Task] = field(default_factory=list)
     group: int = 0
+    quantum: int = 0  # of a long task: the tokens its next quantum computes (0: a whole block)
+
+
+def quantum(queue: Sequence[Task], state: SchedulerState, limits: BatchLimits, now: float) -> int:
+    """The tokens the next quantum of a long forward/backward computes: BatchLimits.quantum_tokens while sessions
+    decode here (an inference step waits, or a session stepped within active_s), since their next step waits for
+    the quantum in progress; otherwise 0, a whole block (fewer, larger quanta)."""
+    if limits.quantum_tokens <= 0:
+        return 0
+    waiting = any(task.kind == Kind.INFERENCE for task in queue)
+    if waiting or any(now - rhythm.last_s <= limits.active_s for rhythm in state.rhythms.values()):
+        return limits.quantum_tokens
+    return 0
 
 
 def schedule(queue: Sequence[Task], state: SchedulerState, limits: BatchLimits, now: float) -> Decision:
     """The next batch (next_batch, cut to a cohort for decode steps and prompts), or a wait for more steps of a
-    cohort. Reads the queue and the state, changes neither."""
+    cohort, and the size of a long task's next quantum. Reads the queue and the state, changes neither."""
     batch = next_batch(queue, limits, state.last_served)
+    if not batch:
+        return Decision()
+    head = batch[0].decode
+    if head is None:
+        return Decision(batch, quantum=quantum(queue, state, limits, now))
     size = cohort(batch, queue, state, limits, now)
-    if not batch or batch[0].decode is None:
-        return Decision(batch)
-    regroup = batch[size:] if batch[0].decode.prompt else []
+    regroup = batch[size:] if head.prompt else []
     batch = batch[:size]  # the rest runs next, as the next cohort
     until = wait_until(batch, size, queue, state, limits, now)
     if until is not None:

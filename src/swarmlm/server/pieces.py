@@ -1,0 +1,233 @@
+"""A forward or backward over a span in pieces, so other work (a session's decode step) runs in between: a block at a
+time, and a block's tokens in chunks when the scheduler asks for small pieces.
+
+A chunk of a block attends to the keys/values of the chunks before it through a temporary KV cache (as a chunked
+prefill does). Under autograd those keys/values enter a chunk's graph as leaves; the backward runs the chunks from
+the last one and adds what each chunk's gradient wrt them says to the gradient of the earlier chunks' own keys and
+values, so every input gets the gradient autograd through the whole block gives (summed in another order).
+
+A piece generator yields before each piece and is sent the piece's size: the most tokens (rows x positions) of
+forward work it runs, 0 or None for the rest of the block at once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Generator
+from dataclasses import dataclass, field
+from types import TracebackType
+
+import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
+
+from swarmlm.models.span import SpanModel
+from swarmlm.protocol.lora import LoraWeights
+
+KeysValues = tuple[torch.Tensor, torch.Tensor]  # keys, values: (rows, kv heads, positions, head dim) each
+
+
+@dataclass(frozen=True)
+class SpanCall:
+    """What every piece of one computation over a span reads."""
+
+    span: SpanModel
+    mask: torch.Tensor | None  # (rows, seq): the padding mask, on the device
+    positions: torch.Tensor | None  # (rows, seq): the rows' position ids, on the device
+    adapter: str | None
+
+    def run(
+        self, hidden: torch.Tensor, block: int, begin: int, cache: DynamicCache | None, prompt: torch.Tensor | None,
+        lora: LoraWeights | None,
+    ) -> torch.Tensor:  # fmt: skip
+        """Block `block` over hidden, the positions [begin, begin + its length) of the request (cache: the earlier
+        positions' keys/values; None when hidden is all of them)."""
+        stop = begin + hidden.shape[1]
+        mask = None if self.mask is None else self.mask[:, :stop]
+        positions = None if self.positions is None else self.positions[:, begin:stop]
+        return self.span(
+            hidden, start=block, end=block + 1, attention_mask=mask, position_ids=positions, cache=cache,
+            prompts=prompt, adapter=self.adapter, lora=lora,
+        )  # fmt: skip
+
+
+@dataclass
+class Spent:
+    """Compute time of a computation's pieces (not the time other work ran in between)."""
+
+    seconds: float = 0.0
+    _began: float = 0.0
+
+    def __enter__(self) -> None:
+        self._began = time.perf_counter()
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.seconds += time.perf_counter() - self._began
+
+
+@dataclass
+class Chunk:
+    """A chunk of a block's forward, kept for its backward: its leaves and its outputs."""
+
+    begin: int  # positions [begin, stop) of the request
+    stop: int
+    hidden: torch.Tensor  # leaf: the block's input at those positions, (rows, stop - begin, hidden)
+    past: KeysValues | None  # leaves: the keys/values of positions [0, begin) (None for the first chunk)
+    output: torch.Tensor  # (rows, stop - begin, hidden)
+    present: KeysValues | None  # its own keys/values, read by later chunks (None: the block's only chunk)
+
+
+@dataclass
+class BlockGraph:
+    """A block's forward under autograd, as chunks, with the leaves its request's own weights entered as."""
+
+    prompt: torch.Tensor | None  # leaf: the block's deep prompt, (1, prefix, hidden)
+    lora: LoraWeights | None  # the block's LoRA weights, their flat tensor a leaf
+    chunks: list[Chunk] = field(default_factory=list)
+
+
+def chunk_stop(begin: int, seq: int, rows: int, budget: int | None) -> int:
+    """The end of the chunk of positions starting at `begin` that `budget` tokens allow (at least one position)."""
+    return seq if not budget else min(seq, begin + max(1, budget // rows))
+
+
+def forward_block(
+    call: SpanCall, block: int, hidden: torch.Tensor, prompt: torch.Tensor | None, lora: LoraWeights | None,
+    spent: Spent,
+) -> Generator[None, int | None, torch.Tensor]:  # fmt: skip
+    """Block `block` over hidden (rows, seq, hidden) without autograd, in chunks of the sizes sent; its output."""
+    rows, seq = hidden.shape[:2]
+    cache, outputs, begin = DynamicCache(), list[torch.Tensor](), 0
+    while begin < seq or not outputs:
+        budget = yield
+        stop = chunk_stop(begin, seq, rows, budget)
+        with spent, torch.inference_mode():
+            whole = begin == 0 and stop == seq  # one chunk: no cache, as the block runs unchunked
+            outputs.append(call.run(hidden[:, begin:stop], block, begin, None if whole else cache, prompt, lora))
+        begin = stop
+    if len(outputs) == 1:
+        return outputs[0]
+    with torch.inference_mode():
+        return torch.cat(outputs, dim=1)
+
+
+def forward_block_graph(
+    call: SpanCall, block: int, hidden: torch.Tensor, prompt: torch.Tensor | None, lora: LoraWeights | None,
+    spent: Spent,
+) -> Generator[None, int | None, tuple[torch.Tensor, BlockGraph]]:  # fmt: skip
+    """Block `block` over hidden (rows, seq, hidden) under autograd, in chunks of the sizes sent: its output
+    (detached) and its graph, for backward_block."""
+    rows, seq = hidden.shape[:2]
+    graph = BlockGraph(
+        None if prompt is None else prompt.detach().requires_grad_(),
+        None if lora is None else lora.with_flat(lora.flat.detach().requires_grad_()),
+    )
+    past: KeysValues | None = None  # detached keys/values of the chunks so far
+    begin = 0
+    while begin < seq or not graph.chunks:
+        budget = yield
+        stop = chunk_stop(begin, seq, rows, budget)
+        with spent, torch.enable_grad():
+            chunk, past = _graph_chunk(call, block, hidden, begin, stop, past, graph)
+        graph.chunks.append(chunk)
+        begin = stop
+    if len(graph.chunks) == 1:
+        return graph.chunks[0].output.detach(), graph
+    with torch.no_grad():
+        return torch.cat([chunk.output for chunk in graph.chunks], dim=1), graph
+
+
+def _graph_chunk(
+    call: SpanCall, block: int, hidden: torch.Tensor, begin: int, stop: int, past: KeysValues | None,
+    graph: BlockGraph,
+) -> tuple[Chunk, KeysValues | None]:  # fmt: skip
+    """The chunk of positions [begin, stop) of `block` under autograd, its input and the earlier keys/values as
+    leaves; with the keys/values of positions [0, stop), detached, for the next chunk."""
+    chunk_input = hidden[:, begin:stop].detach().requires_grad_()
+    if begin == 0 and stop == hidden.shape[1]:  # the block's only chunk: no cache, as the block runs unchunked
+        output = call.run(chunk_input, block, 0, None, graph.prompt, graph.lora)
+        return Chunk(begin, stop, chunk_input, None, output, None), None
+    cache = DynamicCache()
+    leaves = None if past is None else (past[0].detach().requires_grad_(), past[1].detach().requires_grad_())
+    if leaves is not None:
+        cache.update(leaves[0], leaves[1], block)
+    output = call.run(chunk_input, block, begin, cache, graph.prompt, graph.lora)
+    layer = cache.layers[block]
+    if not isinstance(layer, DynamicLayer) or layer.keys is None or layer.values is None:
+        raise RuntimeError(f"block {block} did not store its keys and values in the cache")
+    keys, values = layer.keys, layer.values
+    present = (keys[..., begin:, :], values[..., begin:, :])  # this chunk's own, in its graph
+    return Chunk(begin, stop, chunk_input, leaves, output, present), (keys.detach(), values.detach())
+
+
+def backward_block(
+    graph: BlockGraph, grad: torch.Tensor, spent: Spent
+) -> Generator[None, int | None, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
+    """The gradients wrt a block's input (rows, seq, hidden), its prompt and its LoRA weights' flat tensor, from
+    grad wrt its output, in pieces of chunks (the last chunk first) within the sizes sent."""
+    rows = grad.shape[0]
+    waiting = list(reversed(graph.chunks))
+    grads = _BlockGrads()
+    while waiting:
+        budget = yield
+        piece = [waiting.pop(0)]
+        tokens = (piece[0].stop - piece[0].begin) * rows
+        while waiting and (not budget or tokens + (waiting[0].stop - waiting[0].begin) * rows <= budget):
+            tokens += (waiting[0].stop - waiting[0].begin) * rows
+            piece.append(waiting.pop(0))
+        with spent, torch.enable_grad():
+            for chunk in piece:
+                grads.add(chunk, graph, grad[:, chunk.begin : chunk.stop])
+    return grads.result(graph)
+
+
+@dataclass
+class _BlockGrads:
+    """Gradients of a block's leaves gathered chunk by chunk, the last chunk first."""
+
+    inputs: list[torch.Tensor] = field(default_factory=list)  # wrt each chunk's input, the last chunk's first
+    keys_values: list[torch.Tensor] | None = None  # wrt the keys, values of positions before the chunks done so far
+    prompt: torch.Tensor | None = None
+    lora: torch.Tensor | None = None
+
+    def add(self, chunk: Chunk, graph: BlockGraph, grad: torch.Tensor) -> None:
+        """Backward of one chunk with grad wrt its output (and, gathered from the later chunks, wrt its keys and
+        values)."""
+        outputs, grad_outputs = [chunk.output], [grad]
+        if chunk.present is not None and self.keys_values is not None:
+            outputs += list(chunk.present)
+            grad_outputs += [g[..., chunk.begin : chunk.stop, :] for g in self.keys_values]
+        wrt = [chunk.hidden, *(chunk.past or ())]
+        wrt += [] if graph.prompt is None else [graph.prompt]
+        wrt += [] if graph.lora is None else [graph.lora.flat]
+        # allow_unused: a chunk past the prompt's prefix, or LoRA modules the output does not depend on
+        found = list(torch.autograd.grad(outputs, wrt, grad_outputs=grad_outputs, allow_unused=True))
+        self.inputs.append(_or_zeros(found.pop(0), chunk.hidden))
+        if chunk.past is not None:
+            past_grads = [_or_zeros(found.pop(0), leaf) for leaf in chunk.past]
+            if self.keys_values is None:
+                self.keys_values = past_grads
+            else:
+                for total, part in zip(self.keys_values, past_grads, strict=True):
+                    total[..., : chunk.begin, :] += part
+        if graph.prompt is not None:
+            self.prompt = _sum(self.prompt, found.pop(0))
+        if graph.lora is not None:
+            self.lora = _sum(self.lora, found.pop(0))
+
+    def result(self, graph: BlockGraph) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        grad_input = self.inputs[0] if len(self.inputs) == 1 else torch.cat(self.inputs[::-1], dim=1)
+        prompt = None if graph.prompt is None else _or_zeros(self.prompt, graph.prompt)
+        lora = None if graph.lora is None else _or_zeros(self.lora, graph.lora.flat)
+        return grad_input, prompt, lora
+
+
+def _or_zeros(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(like) if grad is None else grad
+
+
+def _sum(total: torch.Tensor | None, part: torch.Tensor | None) -> torch.Tensor | None:
+    if part is None:
+        return total
+    return part if total is None else total + part

@@ -1,0 +1,109 @@
+"""A long forward/backward in pieces (server.pieces): a block's tokens in chunks of any sizes give what autograd
+through the whole span gives, padding, positions, deep prompts and the request's own LoRA weights included, for
+every attention kind (full, sliding, soft-capped)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Generator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from swarmlm.models.lora import linear_shapes
+from swarmlm.models.span import SpanModel
+from swarmlm.protocol.bundle import SpanTensors
+from swarmlm.protocol.lora import LoraSpec, LoraWeights, lora_layout
+from swarmlm.server.backend import SpanBackend
+from tests.tiny_families import build_tiny
+
+ROWS, SEQ, PREFIX = 2, 11, 4
+# sizes sent to the pieces, in turn (tokens: rows x positions; 0 = the rest of the block): chunks of 3, 1 and 2
+# positions and the rest, so chunk bounds fall inside the prompt's prefix and the sliding windows
+BUDGETS = [6, 0, 2, 4]
+
+
+@pytest.fixture(scope="module", params=["llama", "mistral", "gemma2"])
+def span(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> SpanModel:
+    folder = build_tiny(request.param, tmp_path_factory.mktemp(request.param))
+    return SpanModel.from_dir(folder, 1, 4)
+
+
+def drive(pieces: Generator[None, int | None, Any], budgets: list[int]) -> tuple[Any, int]:
+    """Run a piece generator to its end, sending the budgets in turn: its result and how many pieces it ran."""
+    sizes = itertools.cycle(budgets)
+    next(pieces)
+    count = 0
+    while True:
+        count += 1
+        try:
+            pieces.send(next(sizes))
+        except StopIteration as done:
+            return done.value, count
+
+
+def request(span: SpanModel, backward: bool) -> tuple[SpanTensors, LoraWeights]:
+    generator = torch.Generator().manual_seed(0)
+    hidden_size, blocks = span.config.hidden_size, span.end - span.start
+    mask = torch.ones(ROWS, SEQ, dtype=torch.long)
+    mask[0, :3] = 0  # a left-padded row
+    lora_shapes = [linear_shapes(layer) for layer in span.layers]
+    layout = lora_layout(lora_shapes, 2, ("q_proj", "v_proj", "down_proj"))
+    flat = torch.randn(layout.size, generator=generator) * 0.3
+    # a loss over the real tokens gives padded positions no gradient (their outputs, which attend to no token, are
+    # whatever the attention makes of an empty row: another chunking gives other ones)
+    grad = torch.randn(ROWS, SEQ, hidden_size, generator=generator) * mask.unsqueeze(-1)
+    inputs = SpanTensors(
+        torch.randn(ROWS, SEQ, hidden_size, generator=generator),
+        grad_outputs=grad if backward else None,
+        attention_mask=mask,
+        position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+        prompts=torch.randn(blocks, PREFIX, hidden_size, generator=generator),
+    )
+    return inputs, LoraWeights(LoraSpec(rank=2, scaling=2.0, targets=("q_proj", "v_proj", "down_proj")), layout, flat,
+                               span.start)  # fmt: skip
+
+
+def whole_span(span: SpanModel, inputs: SpanTensors, lora: LoraWeights) -> list[torch.Tensor]:
+    """Autograd through the whole span in one call: output, and (with grad_outputs) the gradients wrt the hidden
+    states, the prompts and the LoRA weights."""
+    leaves = [t.clone().requires_grad_() for t in (inputs.hidden, inputs.prompts, lora.flat) if t is not None]
+    with torch.enable_grad():
+        output = span(
+            leaves[0], attention_mask=inputs.attention_mask, position_ids=inputs.position_ids, prompts=leaves[1],
+            lora=lora.with_flat(leaves[2]),
+        )  # fmt: skip
+        if inputs.grad_outputs is None:
+            return [output.detach()]
+        return list(torch.autograd.grad(output, leaves, grad_outputs=inputs.grad_outputs))
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
+def test_chunks_of_any_size_give_the_whole_spans_results(span: SpanModel, backward: bool) -> None:
+    backend = SpanBackend(span, torch.float32, "cpu", 8192)
+    inputs, lora = request(span, backward)
+    expected = whole_span(span, inputs, lora)
+    rows_valid = inputs.attention_mask.bool() if inputs.attention_mask is not None else None
+    counts = []
+    for budgets in ([0], BUDGETS, [2]):
+        (results, _), pieces = drive(backend._run_by_block(span.start, span.end, inputs, None, lora), budgets)
+        counts.append(pieces)
+        assert len(results) == len(expected)
+        for result, reference in zip(results, expected, strict=True):
+            if result.shape[:2] == (ROWS, SEQ) and rows_valid is not None:  # padded positions are never read
+                result, reference = result[rows_valid], reference[rows_valid]
+            assert (result - reference).abs().max().item() <= 1e-5 * max(1.0, reference.abs().max().item())
+    assert counts[0] == (span.end - span.start) * (2 if backward else 1)  # a block at a time
+    assert counts[1] >= 2.5 * counts[0] and counts[2] == counts[0] * SEQ  # chunks of blocks
+    backend.shutdown()
+
+
+def test_without_a_budget_a_piece_is_a_whole_block(tmp_path: Path) -> None:
+    span = SpanModel.from_dir(build_tiny("llama", tmp_path), 0, 4)
+    backend = SpanBackend(span, torch.float32, "cpu", 8192)
+    inputs, lora = request(span, backward=True)
+    _, pieces = drive(backend._run_by_block(0, 4, inputs, None, lora), [0])
+    assert pieces == 4 + 4  # forward and backward of each block
+    backend.shutdown()
