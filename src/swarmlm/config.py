@@ -44,6 +44,12 @@ class ServerConfig:
     adapters: tuple[str, ...] = ()  # folders of PEFT LoRA adapters for the served blocks, named by folder name
     max_frame_mb: float = 4.0  # largest frame (protobuf part) a peer may send, in MB (ours carry <= 1 MiB of tensors)
     swarm_key: bytes | None = None  # secret of a private swarm (swarm/private.py); None: an open swarm
+    # fairness between hosts (server/peers.py, server/fairness.py); a host is the remote address of a peer's streams
+    host_share: float = 0.5  # fraction of the cache, session slots, buffered bytes and streams one host may hold
+    total_memory_mb: float | None = None  # MB of requests all peers may have buffered (default: 8 peers' bounds)
+    max_streams_per_peer: int | None = None  # streams one peer may hold open (default: max_sessions + 64)
+    max_streams: int | None = None  # streams all peers may hold open (default: 8 per session slot)
+    reclaim_idle_s: float = 2.0  # when a pool is full, holders idle this long are closed first for a peer that waits
 
 
 @dataclass(frozen=True)

@@ -63,12 +63,35 @@ Replies = AsyncGenerator[runtime_pb2.ExpertResponse, None]
 Handler = Callable[[AsyncIterator[runtime_pb2.ExpertRequest], P2PContext], Replies]
 
 
+class StreamHold(Protocol):
+    """What the budget knows of one open stream, to choose whom to close when one of its pools is full."""
+
+    active_at: float  # loop time of its last frame read or reply written
+    busy: bool  # its handler works on what it read (is not waiting for more)
+    bytes: int  # request bytes it has buffered
+
+
+@dataclass
+class _Unheld:
+    """A stream's hold before the budget counted it."""
+
+    active_at: float = 0.0
+    busy: bool = False
+    bytes: int = 0
+
+
 class ByteBudget(Protocol):
-    """Bytes each peer may have buffered on this server at once (server.peers.PeerLedger)."""
+    """Bytes each peer may have buffered and streams it may hold open on this server (server.peers.PeerLedger)."""
 
     async def acquire_bytes(self, peer: str, size: int, timeout_s: float) -> None: ...
 
     def release_bytes(self, peer: str, size: int) -> None: ...
+
+    def open_stream(self, peer: str, address: str, cut: Callable[[], None]) -> StreamHold:
+        """Count a new stream from the peer's remote multiaddr (LimitError if it may not open); `cut` closes it."""
+        ...
+
+    def close_stream(self, holding: StreamHold) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -96,6 +119,7 @@ class _Stream:
     def __init__(self, peer: str, reader: asyncio.StreamReader, ledger: ByteBudget, limits: StreamLimits):
         self.peer, self.reader, self.ledger, self.limits = peer, reader, ledger, limits
         self.queue: asyncio.Queue = asyncio.Queue(PREFETCH_FRAMES)
+        self.holding: StreamHold = _Unheld()  # set once the budget counted the stream
         self.charged = 0  # bytes of this stream charged to the peer (queued, being read or being served)
         self.consumed = 0  # of those, bytes of frames the handler has taken and not answered yet
         self.vanished = False  # the connection broke (not a clean end of stream)
@@ -106,7 +130,9 @@ class _Stream:
     async def requests(self) -> AsyncIterator[runtime_pb2.ExpertRequest]:
         """What the handler iterates: parsed frames, then the end; a limit hit while reading raises LimitError."""
         while True:
+            self.holding.busy = False  # waiting for the peer: closing the stream now would waste no work
             item = await self.queue.get()
+            self.holding.busy = True
             if item is None:
                 return
             if isinstance(item, ProtocolError):
@@ -119,9 +145,12 @@ class _Stream:
         """The handler replied: the frames it read so far are done with."""
         self._release(self.consumed)
         self.consumed = 0
+        self.holding.busy = False
+        self.holding.active_at = asyncio.get_running_loop().time()
 
     def _release(self, size: int) -> None:
         self.charged -= size
+        self.holding.bytes = self.charged
         self.ledger.release_bytes(self.peer, size)
 
     def close(self) -> None:
@@ -167,7 +196,9 @@ class _Stream:
         size = length + FRAME_OVERHEAD_BYTES
         await self.ledger.acquire_bytes(self.peer, size, self.limits.read_timeout_s)
         self.charged += size
+        self.holding.bytes = self.charged
         data = await self._read_body(length)
+        self.holding.active_at = asyncio.get_running_loop().time()
         if not _few_chunks(data, MAX_CHUNKS_PER_PART):
             raise ProtocolError(f"a part has over {MAX_CHUNKS_PER_PART} chunks or {MAX_FIELDS_PER_PART} fields")
         part = runtime_pb2.ExpertRequest()
@@ -248,9 +279,22 @@ async def _serve_stream(
     writer: asyncio.StreamWriter, ledger: ByteBudget, limits: StreamLimits,
 ) -> None:  # fmt: skip
     context = P2PContext(handle_name=name, local_id=p2p.peer_id, remote_id=info.peer_id)
+    tasks: list[asyncio.Task] = []
+
+    def cut() -> None:  # the budget closes this stream for a peer that waits
+        for task in tasks:
+            task.cancel()
+
+    try:
+        holding = ledger.open_stream(info.peer_id.to_base58(), str(info.addr), cut)
+    except LimitError as e:
+        await _refuse_stream(writer, info.peer_id.to_base58(), e, limits)
+        return
     stream = _Stream(info.peer_id.to_base58(), reader, ledger, limits)
     reading = asyncio.create_task(stream.read_frames())
     processing = asyncio.create_task(_answer(handler(stream.requests(), context), stream, writer, limits))
+    stream.holding = holding
+    tasks += [reading, processing]
     try:
         # a clean end of stream lets the handler finish its answers; a broken connection ends it at once
         while not processing.done():
@@ -270,7 +314,16 @@ async def _serve_stream(
             task.cancel()
         await asyncio.gather(reading, processing, return_exceptions=True)
         stream.close()
+        ledger.close_stream(holding)
         writer.close()
+
+
+async def _refuse_stream(writer: asyncio.StreamWriter, peer: str, error: LimitError, limits: StreamLimits) -> None:
+    """Answer a stream over the stream limits with an error frame, and close it."""
+    logger.warning("stream refused peer=...%s: %s", peer[-6:], error)
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(send_frames(writer, [RPCError(message=short(str(error)))]), limits.write_timeout_s)
+    writer.close()
 
 
 async def _answer(

@@ -20,7 +20,7 @@ from swarmlm.protocol.lora import LoraWeights
 from swarmlm.protocol.messages import InferenceOpen, InferenceStep, PushHop, PushStep, ReplyHeader
 from swarmlm.server.backend import SpanBackend, named_results
 from swarmlm.server.cache import CacheBudget, ServerBusyError
-from swarmlm.server.peers import LimitError, PeerLedger, refusal, short, where
+from swarmlm.server.peers import Holding, LimitError, PeerLedger, refusal, short, where
 from swarmlm.server.validation import check_lora, check_open, check_step, max_message_bytes
 
 logger = logging.getLogger(__name__)
@@ -30,6 +30,8 @@ Replies = AsyncIterator[runtime_pb2.ExpertResponse]
 DRAIN_TIMEOUT_S = 30.0
 # pushed steps a session holds before it runs them (a pusher that sends more is told the server is busy)
 PUSH_QUEUE_STEPS = 2
+# an open message is small: a stream that sends none for this long is closed (it holds a stream and nothing else)
+OPEN_TIMEOUT_S = 30.0
 
 
 class Pusher(Protocol):
@@ -54,12 +56,25 @@ def cache_block_tokens(session: InferenceOpen) -> int:
 
 
 class _Inbox:
-    """The steps pushed to one open session, waiting to run; `overflowed` is set when a pusher sent more than it
-    holds (a step was refused, so the session's steps can no longer follow each other: it closes)."""
+    """What others do to one open session: the steps pushed to it, waiting to run; `overflowed` is set when a pusher
+    sent more than it holds (a step was refused, so the session's steps can no longer follow each other: it closes),
+    or when the server reclaims the session for a peer that waits (`reclaimed`: its client reopens it elsewhere)."""
 
     def __init__(self) -> None:
         self.steps: asyncio.Queue[Message] = asyncio.Queue(PUSH_QUEUE_STEPS)
         self.overflowed = asyncio.Event()
+        self.reclaimed = False
+        self.holding: Holding | None = None  # what the ledger knows of the session, to choose whom to reclaim
+
+    def reclaim(self) -> None:
+        self.reclaimed = True
+        self.overflowed.set()
+
+    def mark(self, busy: bool) -> None:
+        """The session waits for its next step (idle from now), or runs one."""
+        if self.holding is not None:
+            self.holding.busy = busy
+            self.holding.active_at = asyncio.get_running_loop().time()
 
 
 class InferenceSessions:
@@ -105,9 +120,13 @@ class InferenceSessions:
         if session is None:
             return
         tokens = cache_block_tokens(session)
-        inbox: _Inbox | None = None
+        inbox = _Inbox()
         if session.session_id is not None:
-            inbox = self._pushed[session.session_id] = _Inbox()
+            self._pushed[session.session_id] = inbox
+        loop_time = asyncio.get_running_loop().time()
+        inbox.holding = self.ledger.hold(
+            Holding(peer, self.ledger.host(peer), inbox.reclaim, loop_time, sessions=1, tokens=tokens)
+        )
         held = _HeldLora(self.ledger, peer)
         self.open_sessions += 1
         logger.info("inference open blocks=%d:%d batch=%d max_length=%d peer=...%s", session.start_block,
@@ -117,6 +136,7 @@ class InferenceSessions:
             async for part in self._steps(requests, session, peer[-6:], inbox, held):
                 yield part
         finally:
+            self.ledger.drop(inbox.holding)
             held.release()
             if session.session_id is not None:
                 self._pushed.pop(session.session_id, None)
@@ -128,7 +148,9 @@ class InferenceSessions:
 
     async def _open(self, requests: AsyncIterator, peer: str) -> InferenceOpen | None:
         """Read the open message and reserve the session's place and cache; None if the stream ended first."""
-        opened = await asyncio.wait_for(read_message(requests, InferenceOpen, max_bytes=0), self.idle_timeout_s)
+        opened = await asyncio.wait_for(
+            read_message(requests, InferenceOpen, max_bytes=0), min(self.idle_timeout_s, OPEN_TIMEOUT_S)
+        )
         if opened is None:
             return None
         session, _ = opened
@@ -138,9 +160,12 @@ class InferenceSessions:
         if session.session_id is not None and session.session_id in self._pushed:
             raise ProtocolError("a session with this id is open already: ids are random, choose another")
         tokens = cache_block_tokens(session)
-        self.ledger.open_session(peer)
+        # a full pool (this peer's host's share, or the server's) closes richer holders' idle sessions, then waits
+        await self.ledger.admit_session(peer, self.alloc_timeout_s)
         try:
-            self.ledger.check_cache(peer, tokens, self.budget.capacity)
+            await self.ledger.admit_cache(peer, tokens, self.budget.capacity, self.alloc_timeout_s)
+            if self.budget.used + tokens > self.budget.capacity:
+                self.ledger.make_room("cache", peer, self.budget.used + tokens - self.budget.capacity, False)
             self.ledger.add_cache(peer, tokens)  # counted while waiting, so one peer cannot queue beyond its share
             try:
                 await self.budget.reserve(tokens, self.alloc_timeout_s)
@@ -187,7 +212,7 @@ class InferenceSessions:
         return await self.pusher(hop, message, pushed.tensors())
 
     async def _steps(
-        self, requests: AsyncIterator, session: InferenceOpen, peer: str, inbox: _Inbox | None,
+        self, requests: AsyncIterator, session: InferenceOpen, peer: str, inbox: _Inbox,
         held: _HeldLora,
     ) -> Replies:  # fmt: skip
         cache = GrowingCache(max_tokens=session.max_length)
@@ -204,7 +229,7 @@ class InferenceSessions:
                     self.pusher.forget(session_id)
 
     async def _run_steps(
-        self, reader: _Reader, session: InferenceOpen, peer: str, inbox: _Inbox | None,
+        self, reader: _Reader, session: InferenceOpen, peer: str, inbox: _Inbox,
         cache: DynamicCache, pushed_to: set[str], held: _HeldLora,
     ) -> Replies:  # fmt: skip
         requests = reader.requests
@@ -216,6 +241,11 @@ class InferenceSessions:
                 yield _reply(ReplyHeader(ok=False, error="server busy: it left these blocks", error_kind="busy"))
                 return
             except _Overflowed:
+                if inbox.reclaimed:
+                    logger.info("inference session reclaimed for a waiting peer peer=...%s", peer)
+                    error = "server busy: this session was reclaimed for a peer that waited (it was idle)"
+                    yield _reply(ReplyHeader(ok=False, error=error, error_kind="busy"))
+                    return
                 logger.warning("inference session closed: steps were pushed to it faster than it runs them peer=...%s",
                                peer)  # fmt: skip
                 error = "server busy: steps were pushed to this session faster than it runs them (one was refused)"
@@ -230,6 +260,7 @@ class InferenceSessions:
                 return  # the stream itself is broken: nothing after this can be parsed
             if message is None:
                 return  # the client closed the session
+            inbox.mark(busy=True)
             began = time.perf_counter()
             header, tensors = message
             past = cache.get_seq_length(session.start_block)
@@ -280,8 +311,10 @@ class InferenceSessions:
 
     async def _next_step(self, reader: _Reader, inbox: _Inbox | None) -> Message | None:
         """The next step, from the client or pushed by the previous server (None: the client ended the stream);
-        raises _Closing when close_all() comes first, _Overflowed once a pushed step was refused for want of room,
-        TimeoutError after idle_timeout_s without a step."""
+        raises _Closing when close_all() comes first, _Overflowed once a pushed step was refused for want of room or
+        the session was reclaimed, TimeoutError after idle_timeout_s without a step."""
+        if inbox is not None:
+            inbox.mark(busy=False)
         closing = self._closing
         if closing.is_set():
             raise _Closing

@@ -34,7 +34,7 @@ from swarmlm.server.cache import CacheBudget, default_cache_tokens
 from swarmlm.server.handler import SpanHandler
 from swarmlm.server.inference import InferenceSessions
 from swarmlm.server.membership import Members, refuse_outsider
-from swarmlm.server.peers import PeerLedger, PeerLimits
+from swarmlm.server.peers import MEMORY_PEERS, PeerLedger, PeerLimits
 from swarmlm.server.placement import Span, claimed_first, estimate_throughput, requested_span, should_move
 from swarmlm.server.push import Pusher
 from swarmlm.server.scheduler import BatchLimits
@@ -104,8 +104,12 @@ class Server:
         self.since = 0.0  # DHT time this span was claimed (set when announced)
         request_bytes = max_message_bytes(config.max_tokens_per_request, model_config.hidden_size)
         self.peer_memory_bytes = int(config.peer_memory_mb * 1e6) if config.peer_memory_mb else 4 * request_bytes
+        # all peers' request buffers together (server/peers.py): the cache budget leaves room for them
+        self.total_memory_bytes = (
+            int(config.total_memory_mb * 1e6) if config.total_memory_mb else MEMORY_PEERS * self.peer_memory_bytes
+        )
         cache_tokens = config.cache_tokens or default_cache_tokens(
-            model_config, self.end - self.start, self.dtype, config.device, reserved_bytes=self.peer_memory_bytes
+            model_config, self.end - self.start, self.dtype, config.device, reserved_bytes=self.total_memory_bytes
         )
         # the KV-cache budget in block-tokens (a token's keys and values at one block): room for cache_tokens tokens
         # at every block of the span; a session reserves its tokens at each block it uses, no more
@@ -285,8 +289,12 @@ class Server:
         cfg = self.config
         if self.backend is None:
             raise RuntimeError("the span is loaded before the handler starts")
-        ledger = PeerLedger(PeerLimits(self.peer_memory_bytes, cfg.max_sessions_per_peer, cfg.max_sessions,
-                                       cfg.peer_cache_share))  # fmt: skip
+        peer_limits = PeerLimits(
+            self.peer_memory_bytes, cfg.max_sessions_per_peer, cfg.max_sessions, cfg.peer_cache_share,
+            memory_total_bytes=self.total_memory_bytes, streams_per_peer=cfg.max_streams_per_peer,
+            streams_total=cfg.max_streams, host_share=cfg.host_share, reclaim_idle_s=cfg.reclaim_idle_s,
+        )  # fmt: skip
+        ledger = PeerLedger(peer_limits)
         self.budget = CacheBudget(self.cache_block_tokens)
         self.inference = InferenceSessions(
             self.backend,
