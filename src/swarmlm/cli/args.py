@@ -4,13 +4,12 @@ errors, numeric flags with their ranges, and what argparse cannot check alone (a
 from __future__ import annotations
 
 import argparse
+import functools
 from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from swarmlm.checks import (
-    FRACTION,
-    NON_NEGATIVE,
     PORT,
     POSITIVE,
     POSITIVE_INT,
@@ -23,21 +22,31 @@ from swarmlm.checks import (
 from swarmlm.errors import ConfigError
 from swarmlm.models.constants import ADAPTER_CONFIG, DEFAULT_MODEL
 
+if TYPE_CHECKING:
+    from swarmlm.cli.flags import ConfigFlag
+
 T = TypeVar("T", int, float)
 
 
 class Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line (the usage is one --help away); they exit with code 2."""
+    """An ArgumentParser whose errors are one line (the usage is one --help away); they exit with code 2. It keeps
+    which of its flags are config fields (cli/flags.py), for the options page and its tests."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.config_flags: list[ConfigFlag] = []
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+@functools.cache  # one parser per range: the flags of a range share it
 def integer(allowed: Range) -> Callable[[str], int]:
     """An argparse type: an integer within `allowed`."""
     return _within(int, allowed)
 
 
+@functools.cache
 def number(allowed: Range) -> Callable[[str], float]:
     """An argparse type: a finite number within `allowed`."""
     return _within(float, allowed)
@@ -53,15 +62,17 @@ def _within(convert: Callable[[str], T], allowed: Range) -> Callable[[str], T]:
             raise argparse.ArgumentTypeError(f"must be {allowed.describe()}, not {text!r}")
         return value
 
+    RANGES[parse] = allowed
     return parse
 
 
-# the argparse types of the command's numeric flags
+RANGES: dict[object, Range] = {}  # the range each numeric flag type takes (for the options page)
+
+
+# the argparse types of the hand-written numeric flags (a config field's flag gets its type from its range)
 positive_int = integer(POSITIVE_INT)
 port = integer(PORT)
 positive = number(POSITIVE)
-non_negative = number(NON_NEGATIVE)
-fraction = number(FRACTION)
 
 
 def check_arguments(args: argparse.Namespace) -> None:
