@@ -223,6 +223,13 @@ def _wire_dtype(name: str, value: object) -> None:
         raise ConfigError(f"{name} must be one of {', '.join(WIRE_DTYPES)}, not {value!r}")
 
 
+def _routing(name: str, value: object) -> None:
+    from swarmlm.swarm.routing import ROUTING_MODES
+
+    if value not in ROUTING_MODES:
+        raise ConfigError(f"{name} must be one of {', '.join(ROUTING_MODES)}, not {value!r}")
+
+
 def _swarm_key(name: str, value: object) -> None:
     if value is not None and not (isinstance(value, bytes) and len(value) == 32):
         given = f"{len(value)} bytes" if isinstance(value, bytes) else repr(value)  # a secret is never shown
@@ -256,6 +263,7 @@ CLIENT_CHECKS: dict[str, Check] = {
     "wire_dtype": _wire_dtype,
     "ping_timeout_s": _in(POSITIVE),
     "explore_interval_s": _in(NON_NEGATIVE),
+    "routing": _routing,
 }
 
 

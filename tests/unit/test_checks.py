@@ -136,6 +136,7 @@ def test_every_client_check_is_for_a_client_option() -> None:
         (dict(blocked_servers=[1]), "blocked_servers must hold strings only"),
         (dict(use_push="no"), "use_push must be True or False"),
         (dict(wire_dtype="fp8"), "wire_dtype must be one of float32, bfloat16, float16, int8"),
+        (dict(routing="fastest"), "routing must be one of auto, latency, throughput, not 'fastest'"),
         (dict(swarm_key=b"short"), "swarm_key must be .* 32-byte secret, not 5 bytes"),
         (dict(initial_peers=("garbage",)), "initial_peers: 'garbage' is not a peer's multiaddr"),
         (dict(dht_prefix=7), "dht_prefix must be a string or None"),
