@@ -3,9 +3,10 @@
 Prints (1) the aggregate greedy decode rate of 1, 4 and 8 users generating different prompts at once through 2
 servers (their decode steps batch on the servers, their LM heads on the client), with the p50/p95 gap between a
 user's tokens, the time to each user's first token and the CPU time each process spends per token, against local
-generate() of the same 8 prompts one after another, and (2) how much one user's decode latency grows while another
-client runs 2048-token forward/backward passes through the same servers (the servers run inference steps before
-forward and backward work).
+generate() of the same 8 prompts one after another and as one left-padded batch (what one machine serving the 8
+users would reach), and (2) how much one user's decode latency grows while another client runs 2048-token
+forward/backward passes through the same servers (the servers run inference steps before forward and backward work,
+and split long work into small quanta while sessions decode).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 import statistics
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
@@ -54,6 +56,33 @@ def greedy(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, streamer:
             streamer=streamer,
         )  # fmt: skip
     return out[0, ids.shape[1] :].tolist()
+
+
+def greedy_batch(model: torch.nn.Module, inputs: list[torch.Tensor], new_tokens: int) -> list[list[int]]:
+    """Exactly `new_tokens` greedy tokens of every prompt, all prompts as one left-padded batch."""
+    width = max(ids.shape[1] for ids in inputs)
+    ids = torch.zeros(len(inputs), width, dtype=torch.long)
+    mask = torch.zeros(len(inputs), width, dtype=torch.long)
+    for row, prompt in enumerate(inputs):
+        ids[row, width - prompt.shape[1] :], mask[row, width - prompt.shape[1] :] = prompt[0], 1
+    with torch.inference_mode():
+        out = model.generate(
+            ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, eos_token_id=[], pad_token_id=0
+        )
+    return out[:, width:].tolist()
+
+
+def local_rounds(model: torch.nn.Module, inputs: list[torch.Tensor], new_tokens: int) -> tuple[float, float, float]:
+    """Local rates of the prompts: one after another (new tokens/s, and decode tokens/s prompt by prompt) and as one
+    batch (new tokens/s)."""
+    began, clocks = time.perf_counter(), [Gaps() for _ in inputs]
+    for ids, clock in zip(inputs, clocks, strict=True):
+        greedy(model, ids, new_tokens, clock)
+    serial = len(inputs) * new_tokens / (time.perf_counter() - began)
+    decode = sum(len(c.times) - 2 for c in clocks) / sum(c.times[-1] - c.times[1] for c in clocks)
+    began = time.perf_counter()
+    greedy_batch(model, inputs, new_tokens)
+    return serial, decode, len(inputs) * new_tokens / (time.perf_counter() - began)
 
 
 def together(
@@ -143,14 +172,157 @@ def decode_gap(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int) -> fl
     return gaps.median_gap_s()
 
 
-def training_load(model: torch.nn.Module, tokens: int, stop: threading.Event, passes: list[float]) -> None:
-    """Forward and backward of (1, tokens) hidden states through all blocks, in a loop until stopped."""
+def training_load(
+    model: torch.nn.Module, tokens: int, stop: threading.Event, passes: list[tuple[float, float]]
+) -> None:  # fmt: skip
+    """Forward and backward of (1, tokens) hidden states through all blocks, in a loop until stopped; each pass's
+    start and end go to `passes`."""
     hidden_size = model.config.hidden_size
     while not stop.is_set():
         began = time.perf_counter()
         hidden = torch.randn(1, tokens, hidden_size).requires_grad_()
         model.model.layers(hidden).sum().backward()
-        passes.append(time.perf_counter() - began)
+        passes.append((began, time.perf_counter()))
+
+
+@dataclass
+class Interference:
+    alone: list[float]  # one user's median decode gap, s, of each generation with nobody training
+    loaded: list[float]  # the same while the trainer runs its passes
+    idle_pass_s: float  # the trainer's first pass, nobody decoding
+    busy_passes_s: list[float]  # its passes that began and ended while the user decoded
+
+
+def interference(
+    user: torch.nn.Module, trainer: torch.nn.Module, ids: torch.Tensor, new_tokens: int, train_tokens: int,
+    rounds: int,
+) -> Interference:  # fmt: skip
+    """One user's decode gaps alone, then while the trainer loops passes: after the trainer's first pass (nobody
+    decoding), the user generates `rounds` times, and on until one whole pass ran while it decoded."""
+    alone = [decode_gap(user, ids, new_tokens) for _ in range(rounds)]
+    stop, passes = threading.Event(), []
+    load = threading.Thread(target=training_load, args=(trainer, train_tokens, stop, passes))
+    load.start()
+    try:
+        while not passes and load.is_alive():
+            time.sleep(0.05)
+        began, loaded = time.perf_counter(), []
+        while load.is_alive() and (len(loaded) < rounds or not any(start >= began for start, _ in passes)):
+            loaded.append(decode_gap(user, ids, new_tokens))
+        ended = time.perf_counter()
+    finally:
+        stop.set()
+        load.join()
+    if not passes or not loaded:
+        raise SystemExit("the training client failed")
+    busy = [end - start for start, end in passes if start >= began and end <= ended]
+    return Interference(alone, loaded, passes[0][1] - passes[0][0], busy)
+
+
+@dataclass
+class UsersRun:
+    """Rounds of 1, 4 and 8 users through the swarm, each round after one of the local runs."""
+
+    counts: tuple[int, ...]
+    local: list[tuple[float, float, float]] = field(default_factory=list)  # local_rounds of each round
+    rates: dict[int, list[float]] = field(default_factory=dict)
+    steady: dict[int, list[float]] = field(default_factory=dict)  # while all users decode
+    gaps: dict[int, list[float]] = field(default_factory=dict)
+    firsts: dict[int, list[float]] = field(default_factory=dict)  # each user's time to its first token
+    spent: dict[int, dict[str, float]] = field(default_factory=dict)
+    rows: dict[int, list[int]] = field(default_factory=dict)  # head rows, head products
+    sizes: dict[int, list[int]] = field(default_factory=dict)  # sessions of each server decode batch
+
+    def __post_init__(self) -> None:
+        for table in (self.rates, self.steady, self.gaps, self.firsts, self.sizes):
+            table.update({n: [] for n in self.counts})
+        self.spent.update({n: {} for n in self.counts})
+        self.rows.update({n: [0, 0] for n in self.counts})
+
+
+def run_users(
+    swarm: LocalSwarm, m: torch.nn.Module, local: torch.nn.Module, inputs: list[torch.Tensor],
+    expected: list[list[int]], new_tokens: int, repeats: int,
+) -> UsersRun:  # fmt: skip
+    """`repeats` rounds of: the local runs, then 1, 4 and 8 users through the swarm (drift of the machine touches
+    all alike)."""
+    run, head = UsersRun((1, 4, len(inputs))), m._head_batcher
+    for _ in range(repeats):
+        run.local.append(local_rounds(local, inputs, new_tokens))
+        for users in run.counts:
+            before, head_before = cpu_seconds(), (head.batches, head.rows)
+            logged = [len(batch_sizes(server.log_path)) for server in swarm.servers]
+            rate, decoding, user_gaps, outputs, first = together(m, inputs[:users], new_tokens)
+            after = cpu_seconds()
+            if outputs != expected[:users]:
+                raise SystemExit("the swarm generated other tokens than the local model")
+            run.rates[users].append(rate)
+            run.steady[users].append(decoding)
+            run.gaps[users].extend(user_gaps)
+            run.firsts[users].extend(first)
+            for role in after:
+                run.spent[users][role] = run.spent[users].get(role, 0.0) + after[role] - before.get(role, 0.0)
+            run.rows[users][0] += head.rows - head_before[1]
+            run.rows[users][1] += head.batches - head_before[0]
+            for server, seen in zip(swarm.servers, logged, strict=True):
+                run.sizes[users].extend(batch_sizes(server.log_path)[seen:])
+    return run
+
+
+def print_users(run: UsersRun, new_tokens: int) -> None:
+    repeats, counts, many = len(run.local), run.counts, run.counts[-1]
+    serial, serial_decode, batched = (statistics.median(values) for values in zip(*run.local, strict=True))
+    print(f"\n{'run':<44}{'tokens/s':>10}{'ratio':>7}{'vs batch':>10}{'vs 1 user':>11}{'decoding':>10}"
+          f"{'vs 1 user':>11}{'p50 ms':>8}{'p95 ms':>8}")  # fmt: skip
+    print(f"{'local, the 8 prompts one after another':<44}{serial:>10.1f}{1.0:>7.2f}{serial / batched:>10.2f}"
+          f"{'':>11}{serial_decode:>10.1f}")  # fmt: skip
+    print(f"{'local, the 8 prompts as one left-padded batch':<44}{batched:>10.1f}{batched / serial:>7.2f}{1.0:>10.2f}")
+    one = statistics.median(run.rates[1]), statistics.median(run.steady[1])
+    for users in counts:
+        rate, decoding = statistics.median(run.rates[users]), statistics.median(run.steady[users])
+        p50, p95 = percentile(run.gaps[users], 0.5), percentile(run.gaps[users], 0.95)
+        print(f"{f'swarm (2 servers), {users} user(s) at once':<44}{rate:>10.1f}{rate / serial:>7.2f}"
+              f"{rate / batched:>10.2f}{rate / one[0]:>11.2f}{decoding:>10.1f}{decoding / one[1]:>11.2f}"
+              f"{p50 * 1000:>8.0f}{p95 * 1000:>8.0f}")  # fmt: skip
+    print(f"(tokens/s: new tokens / wall time, prompts included; ratio: to the local run one prompt after another, "
+          f"vs batch: to the local batch; decoding: tokens/s while every user is decoding, from the last user's first "
+          f"token to the first user's last. Medians of {repeats} rounds; round by round, {many} users vs 1: "
+          + ", ".join(f"{b / a:.2f}" for a, b in zip(run.rates[1], run.rates[many], strict=True)) + "; decoding "
+          + ", ".join(f"{b / a:.2f}" for a, b in zip(run.steady[1], run.steady[many], strict=True))
+          + f"; {many} users vs the local batch: "
+          + ", ".join(f"{r / local[2]:.2f}" for r, local in zip(run.rates[many], run.local, strict=True))
+          + ")")  # fmt: skip
+    print("time to first token, ms, median / slowest user over the rounds (all prompts sent at once): "
+          + ", ".join(f"{n} user(s) {statistics.median(run.firsts[n]) * 1000:.0f} / {max(run.firsts[n]) * 1000:.0f}"
+                      for n in counts))  # fmt: skip
+    tokens = {n: repeats * n * new_tokens for n in counts}
+    cpu = {n: {role: 1000 * s / tokens[n] for role, s in run.spent[n].items()} for n in counts}
+    roles = sorted(cpu[many])
+    print(f"\nCPU ms per generated token (prompts included), by process: {', '.join(roles)}, total")
+    for users, by_role in cpu.items():
+        heads = run.rows[users][0] / max(1, run.rows[users][1])
+        print(f"  {users} user(s): " + "  ".join(f"{by_role.get(r, 0.0):6.1f}" for r in roles)
+              + f"  {sum(by_role.values()):6.1f}   (client LM head: {heads:.1f} rows per product)")  # fmt: skip
+    print("sessions per batched decode step on the servers (steps of one session alone not counted):")
+    for users, held in run.sizes.items():
+        print(f"  {users} user(s): " + (f"{len(held)} batches, median {statistics.median(held):.0f}, at most "
+                                      f"{max(held)}" if held else "none"))  # fmt: skip
+
+
+def print_interference(result: Interference, train_tokens: int) -> None:
+    alone, loaded = statistics.median(result.alone), statistics.median(result.loaded)
+    busy = statistics.median(result.busy_passes_s) if result.busy_passes_s else float("nan")
+    print(f"\ndecode gap of one user, median over {len(result.alone)} / {len(result.loaded)} generations: "
+          f"{alone * 1000:.0f} ms alone, {loaded * 1000:.0f} ms while another client runs {train_tokens}-token "
+          f"forward/backward passes: ratio {loaded / alone:.2f} (generations: "
+          + ", ".join(f"{g * 1000:.0f}" for g in result.loaded) + " ms)")  # fmt: skip
+    print(f"the trainer's pass: {result.idle_pass_s:.1f} s with nobody decoding, {busy:.1f} s while the user decodes "
+          f"({len(result.busy_passes_s)} passes)")  # fmt: skip
+
+
+def load_average() -> str:
+    """The machine's load averages (1, 5, 15 minutes): other processes' work skews every figure."""
+    return " / ".join(f"{value:.2f}" for value in os.getloadavg())
 
 
 def main() -> None:
@@ -162,104 +334,41 @@ def main() -> None:
                         help="torch threads of each server (default: the cores shared among the servers, as "
                              "`swarmlm demo` shares them)")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=3,
-                        help="rounds of 1, 4 and 8 users; rates are their medians (rounds vary ~10%%)")  # fmt: skip
+                        help="rounds of the local runs and 1, 4 and 8 users, and generations of the user next to "
+                             "the trainer; rates are their medians (rounds vary ~10%%)")  # fmt: skip
     parser.add_argument("--decode-wait-ms", type=float, default=None,
                         help="the servers' --decode-wait-ms (default: theirs; 0 turns the wait off)")  # fmt: skip
+    parser.add_argument("--interference-only", action="store_true",
+                        help="only the user next to a training client (part 2)")  # fmt: skip
     args = parser.parse_args()
     model_dir = resolve_model(args.model)
     num_blocks = load_config(model_dir).num_hidden_layers
     inputs = prompts(model_dir)
-    print(f"model {args.model}, {len(inputs)} users, {args.new_tokens} new tokens each, greedy, fp32, torch threads "
-          f"{torch.get_num_threads()} (client), {args.server_threads} (each server)")  # fmt: skip
+    print(
+        f"model {args.model}, {len(inputs)} users, {args.new_tokens} new tokens each, greedy, fp32, torch threads "
+        f"{torch.get_num_threads()} (client), {args.server_threads} (each server); load average {load_average()}"
+    )
 
     local = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa", dtype=torch.float32).eval()
     greedy(local, inputs[0], 4)  # warm-up
-    began, clocks = time.perf_counter(), [Gaps() for _ in inputs]
-    expected = [greedy(local, ids, args.new_tokens, clock) for ids, clock in zip(inputs, clocks, strict=True)]
-    local_rate = len(inputs) * args.new_tokens / (time.perf_counter() - began)
-    local_decode = sum(len(c.times) - 2 for c in clocks) / sum(c.times[-1] - c.times[1] for c in clocks)
-    del local
+    expected = [greedy(local, ids, args.new_tokens) for ids in inputs]
 
     server_args = [] if args.decode_wait_ms is None else ["--decode-wait-ms", str(args.decode_wait_ms)]
     with LocalSwarm(str(model_dir), threads_per_server=args.server_threads, extra_args=server_args) as swarm:
         swarm.start_servers(even_spans(num_blocks, SERVERS))
         with AutoDistributedModelForCausalLM.from_pretrained(str(model_dir), initial_peers=swarm.initial_peers) as m:
             greedy(m, inputs[0], 4)  # warm-up: routes measured, connections open
-            counts = (1, 4, len(inputs))
-            rates: dict[int, list[float]] = {n: [] for n in counts}
-            steady: dict[int, list[float]] = {n: [] for n in counts}  # while all users decode
-            gaps: dict[int, list[float]] = {n: [] for n in counts}
-            firsts: dict[int, list[float]] = {n: [] for n in counts}  # each user's time to its first token
-            spent: dict[int, dict[str, float]] = {n: {} for n in counts}
-            rows: dict[int, list[int]] = {n: [0, 0] for n in counts}  # head rows, head products
-            sizes: dict[int, list[int]] = {n: [] for n in counts}  # sessions of each server decode batch
-            head = m._head_batcher
-            for _ in range(args.repeats):  # rounds of 1, 4, 8 users: drift of the machine touches all alike
-                for users in counts:
-                    before, head_before = cpu_seconds(), (head.batches, head.rows)
-                    logged = [len(batch_sizes(server.log_path)) for server in swarm.servers]
-                    rate, decoding, user_gaps, outputs, first = together(m, inputs[:users], args.new_tokens)
-                    after = cpu_seconds()
-                    if outputs != expected[:users]:
-                        raise SystemExit("the swarm generated other tokens than the local model")
-                    rates[users].append(rate)
-                    steady[users].append(decoding)
-                    gaps[users].extend(user_gaps)
-                    firsts[users].extend(first)
-                    for role in after:
-                        spent[users][role] = spent[users].get(role, 0.0) + after[role] - before.get(role, 0.0)
-                    rows[users][0] += head.rows - head_before[1]
-                    rows[users][1] += head.batches - head_before[0]
-                    for server, seen in zip(swarm.servers, logged, strict=True):
-                        sizes[users].extend(batch_sizes(server.log_path)[seen:])
-            runs = {
-                n: (statistics.median(rates[n]), statistics.median(steady[n]), percentile(gaps[n], 0.5),
-                    percentile(gaps[n], 0.95))
-                for n in counts
-            }  # fmt: skip
-            tokens = {n: args.repeats * n * args.new_tokens for n in counts}
-            cpu = {n: {role: 1000 * s / tokens[n] for role, s in spent[n].items()} for n in counts}
-            heads = {n: rows[n][0] / max(1, rows[n][1]) for n in counts}
-            alone = decode_gap(m, inputs[1], args.new_tokens)
+            users = None
+            if not args.interference_only:
+                users = run_users(swarm, m, local, inputs, expected, args.new_tokens, args.repeats)
             with AutoDistributedModelForCausalLM.from_pretrained(
                 str(model_dir), initial_peers=swarm.initial_peers
             ) as trainer:
-                stop, passes = threading.Event(), []
-                load = threading.Thread(target=training_load, args=(trainer, args.train_tokens, stop, passes))
-                load.start()
-                time.sleep(2.0)  # the first pass is under way
-                loaded = decode_gap(m, inputs[1], args.new_tokens)
-                stop.set()
-                load.join()
-
-    print(f"\n{'run':<40}{'tokens/s':>10}{'ratio':>8}{'vs 1 user':>11}{'decoding':>10}{'vs 1 user':>11}"
-          f"{'p50 ms':>8}{'p95 ms':>8}")  # fmt: skip
-    print(f"{'local, the 8 prompts one after another':<40}{local_rate:>10.1f}{1.0:>8.2f}{'':>11}{local_decode:>10.1f}")
-    for users, (rate, decoding, p50, p95) in runs.items():
-        name = f"swarm (2 servers), {users} user(s) at once"
-        print(f"{name:<40}{rate:>10.1f}{rate / local_rate:>8.2f}{rate / runs[1][0]:>11.2f}{decoding:>10.1f}"
-              f"{decoding / runs[1][1]:>11.2f}{p50 * 1000:>8.0f}{p95 * 1000:>8.0f}")  # fmt: skip
-    many = counts[-1]
-    print(f"(tokens/s: new tokens / wall time, prompts included; decoding: tokens/s while every user is decoding, "
-          f"from the last user's first token to the first user's last. Medians of {args.repeats} rounds; {many} users "
-          "vs 1 round by round: "
-          + ", ".join(f"{b / a:.2f}" for a, b in zip(rates[1], rates[many], strict=True)) + "; decoding "
-          + ", ".join(f"{b / a:.2f}" for a, b in zip(steady[1], steady[many], strict=True)) + ")")  # fmt: skip
-    print("time to first token, ms, median / slowest user over the rounds (all prompts sent at once): "
-          + ", ".join(f"{n} user(s) {statistics.median(firsts[n]) * 1000:.0f} / {max(firsts[n]) * 1000:.0f}"
-                      for n in counts))  # fmt: skip
-    roles = sorted(cpu[len(inputs)])
-    print(f"\nCPU ms per generated token (prompts included), by process: {', '.join(roles)}, total")
-    for users, by_role in cpu.items():
-        print(f"  {users} user(s): " + "  ".join(f"{by_role.get(r, 0.0):6.1f}" for r in roles)
-              + f"  {sum(by_role.values()):6.1f}   (client LM head: {heads[users]:.1f} rows per product)")  # fmt: skip
-    print("sessions per batched decode step on the servers (steps of one session alone not counted):")
-    for users, batched in sizes.items():
-        print(f"  {users} user(s): " + (f"{len(batched)} batches, median {statistics.median(batched):.0f}, at most "
-                                      f"{max(batched)}" if batched else "none"))  # fmt: skip
-    print(f"\ndecode gap of one user, median: {alone * 1000:.0f} ms alone, {loaded * 1000:.0f} ms while another client"
-          f" runs {args.train_tokens}-token forward/backward passes ({len(passes)} passes, median "
-          f"{statistics.median(passes) if passes else float('nan'):.1f} s): ratio {loaded / alone:.2f}")  # fmt: skip
+                result = interference(m, trainer, inputs[1], args.new_tokens, args.train_tokens, args.repeats)
+    if users is not None:
+        print_users(users, args.new_tokens)
+    print_interference(result, args.train_tokens)
+    print(f"\nload average at the end: {load_average()} (1 / 5 / 15 minutes; the benchmark itself keeps about 2 busy)")
 
 
 if __name__ == "__main__":
