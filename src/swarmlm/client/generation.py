@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from swarmlm.client import trace
 from swarmlm.client.head_batching import HeadBatcher
 from swarmlm.client.inference import InferenceSession
+from swarmlm.client.loop import LoopThread
+from swarmlm.client.sequence_manager import SequenceManager
 from swarmlm.client.speculative import DraftModel, PromptLookup, Proposer, speculative_generate
+from swarmlm.errors import SessionClosedError
 
 if TYPE_CHECKING:
     from transformers import GenerationMixin, PreTrainedModel
@@ -31,7 +36,43 @@ DEFAULT_MAX_NEW_TOKENS = 20
 DEFAULT_DRAFT_TOKENS = 5
 
 
-def new_tokens(session: InferenceSession, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+class GenerationSession(InferenceSession):
+    """A session over all of a model's blocks (model.inference_session()), with what generation knows of its tokens:
+    the ids the model's forward has processed, and the last generate()'s output. Rolling the session back (setting
+    `position`) cuts them too."""
+
+    def __init__(
+        self, manager: SequenceManager, loop: LoopThread, start: int, end: int, max_length: int,
+        active: list[InferenceSession] | None = None, on_trace: Callable[[trace.RequestTrace], None] | None = None,
+        prefix_tokens: int = 0,
+    ):  # fmt: skip
+        super().__init__(manager, loop, start, end, max_length, active, on_trace)
+        self.prefix_tokens = prefix_tokens  # positions taken by a model's prompt-tuning prefix before its first token
+        self.token_ids: torch.Tensor | None = None  # (batch, tokens) ids the model's forward has processed
+        self.output_ids: torch.Tensor | None = None  # (batch, tokens) the last generate()'s sequences
+        self.output_mask: torch.Tensor | None = None  # (batch, tokens) attention mask of output_ids
+
+    def _rolled_back(self, tokens: int) -> None:
+        keep = max(tokens - self.prefix_tokens, 0)
+        if self.token_ids is not None:
+            self.token_ids = self.token_ids[:, :keep]
+        if self.output_ids is not None:
+            self.output_ids = self.output_ids[:, :keep]
+        if self.output_mask is not None:
+            self.output_mask = self.output_mask[:, :keep]
+
+
+def generating(session: InferenceSession) -> GenerationSession:
+    """The session as one that generation can run in (a model's, which knows its token ids; not a slice's)."""
+    if not isinstance(session, GenerationSession):
+        raise TypeError(
+            f"generation runs in a session of the model (model.inference_session(...)), not one of blocks "
+            f"{session.start}:{session.end} alone (model.model.layers...inference_session(...))"
+        )
+    return session
+
+
+def new_tokens(session: GenerationSession, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, int]:
     """(ids the session has not processed, hypo_ids reordering its rows to match input_ids or None, ids processed).
 
     When input_ids holds nothing new, the session is rolled back by one token so that its logits can be recomputed.
@@ -95,14 +136,17 @@ class RemoteGenerationMixin(_ModelBase):
         lora_tuning: LoraTuning | None
         model: Any  # the family's decoder: embeddings, rotary_emb, norm, and layers (a RemoteSequential)
 
-    def inference_session(self, max_length: int) -> InferenceSession:
+    def inference_session(self, max_length: int) -> GenerationSession:
         """A session over all blocks holding up to max_length tokens (prompt included). generate(session=...) uses
         it; so does generate() inside `with model.inference_session(...)`. model(...) never does."""
-        blocks = self.model.layers
-        prefix = 0 if self.prompt_tuning is None else self.prompt_tuning.pre_seq_len
-        session = blocks.inference_session(max_length + prefix, active=self._active_sessions)
-        session.prefix_tokens = prefix
-        return session
+        blocks, prefix = self.model.layers, 0 if self.prompt_tuning is None else self.prompt_tuning.pre_seq_len
+        client = blocks.client
+        if client.closed:
+            raise SessionClosedError("this model's swarm connection is closed")
+        return GenerationSession(
+            client.manager, client.loop, blocks.start, blocks.end, max_length + prefix, self._active_sessions,
+            on_trace=client.keep_trace, prefix_tokens=prefix,
+        )  # fmt: skip
 
     @property
     def active_session(self) -> InferenceSession | None:
@@ -135,6 +179,7 @@ class RemoteGenerationMixin(_ModelBase):
     def _generate_in(
         self, session: InferenceSession, inputs: torch.Tensor | None, args: tuple, kwargs: dict[str, Any]
     ) -> Any:
+        session = generating(session)
         previous, skipped = session.output_ids, 0
         if previous is not None and previous.shape[1] > 0 and (inputs is None or not _continues(inputs, previous)):
             appended = 0 if inputs is None else inputs.shape[1]
@@ -165,7 +210,7 @@ class RemoteGenerationMixin(_ModelBase):
         return result
 
     def _speculative_generate(
-        self, session: InferenceSession, inputs: torch.Tensor, args: tuple, kwargs: dict[str, Any]
+        self, session: GenerationSession, inputs: torch.Tensor, args: tuple, kwargs: dict[str, Any]
     ) -> torch.Tensor:
         """Greedy generate() with proposals checked several at a time (client/speculative.py): the draft model of
         `assistant_model` (num_assistant_tokens a round, default 5), or else prompt lookup of
@@ -201,7 +246,7 @@ class RemoteGenerationMixin(_ModelBase):
         eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         proposer: Proposer = PromptLookup() if draft is None else DraftModel(draft)
 
-        def forward(session: InferenceSession, input_ids: torch.Tensor) -> torch.Tensor:
+        def forward(session: GenerationSession, input_ids: torch.Tensor) -> torch.Tensor:
             return cast(torch.Tensor, self._session_forward(session, input_ids, None, None).logits)
 
         return speculative_generate(forward, session, inputs, proposer, lookahead, max_new, eos_ids, streamer, min_new)
@@ -216,6 +261,7 @@ class RemoteGenerationMixin(_ModelBase):
     ) -> CausalLMOutputWithPast:
         """A forward through `session`: tokens it has not processed run through the servers' caches; their logits
         (of the last logits_to_keep of them; 0: all)."""
+        session = generating(session)
         new_ids, hypo_ids, seen = new_tokens(session, input_ids)
         fresh = session.position == 0
         embeds = self.get_submodule(self.family.embed_name)(new_ids)

@@ -50,10 +50,6 @@ class InferenceSession:
         self.manager, self.loop = manager, loop
         self.state = SessionState(start, end, max_length, push=manager.config.use_push)
         self.closed = False
-        self.prefix_tokens = 0  # positions taken by a model's prompt-tuning prefix before its first token
-        self.token_ids: torch.Tensor | None = None  # (batch, tokens) ids the model's forward has processed
-        self.output_ids: torch.Tensor | None = None  # (batch, tokens) the last generate()'s sequences
-        self.output_mask: torch.Tensor | None = None  # (batch, tokens) attention mask of output_ids
         self._spans: list[SpanLink] = []  # the links to the servers holding the caches, in block order
         self._recovery = Recovery(manager, self.state)
         self._active = active  # the owner's sessions open in `with` blocks (generate() uses the innermost)
@@ -92,11 +88,10 @@ class InferenceSession:
         """Roll back to `tokens` tokens: the servers cut their caches at the next step."""
         self._check_open()
         self.state.rollback(tokens, self._states())
-        keep = max(tokens - self.prefix_tokens, 0)
-        for name in ("token_ids", "output_ids", "output_mask"):
-            value = getattr(self, name)
-            if value is not None:
-                setattr(self, name, value[:, :keep])
+        self._rolled_back(tokens)
+
+    def _rolled_back(self, tokens: int) -> None:
+        """Told of each rollback to `tokens` tokens, for what a subclass keeps beside the caches (its token ids)."""
 
     def step(
         self,

@@ -20,7 +20,7 @@ import torch
 if TYPE_CHECKING:
     from transformers.generation.streamers import BaseStreamer
 
-    from swarmlm.client.inference import InferenceSession
+    from swarmlm.client.generation import GenerationSession
 
 # the n-gram sizes prompt lookup tries, longest first (as in transformers' prompt lookup)
 MAX_NGRAM = 3
@@ -88,14 +88,14 @@ class DraftModel:
 
 
 class SessionForward(Protocol):
-    def __call__(self, session: InferenceSession, input_ids: torch.Tensor) -> torch.Tensor:
+    def __call__(self, session: GenerationSession, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits (1, new tokens, vocab) of the tokens the session has not processed yet."""
         ...
 
 
 def speculative_generate(
     forward: SessionForward,
-    session: InferenceSession,
+    session: GenerationSession,
     input_ids: torch.Tensor,
     proposer: Proposer,
     lookahead: int,

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from swarmlm.client.inference import InferenceSession
+from swarmlm.client.generation import GenerationSession
 from swarmlm.client.model import AutoDistributedModelForCausalLM, DistributedCausalLMMixin
 from swarmlm.models.loading import load_config, load_tokenizer, resolve_model
 from swarmlm.models.naming import model_name
@@ -100,7 +100,7 @@ class _AnswerPrinter(BaseStreamer):
 
 def _generate(
     model: DistributedCausalLMMixin, printer: _AnswerPrinter, input_ids: torch.Tensor, max_new_tokens: int,
-    session: InferenceSession | None = None,
+    session: GenerationSession | None = None,
 ) -> None:  # fmt: skip
     """Greedy generation of an answer, printed as it comes (Ctrl-C stops it: KeyboardInterrupt propagates)."""
     began = time.perf_counter()
@@ -162,7 +162,7 @@ def _read_turn() -> str | None:
     return text or None
 
 
-def _keep_common_prefix(session: InferenceSession, ids: torch.Tensor) -> None:
+def _keep_common_prefix(session: GenerationSession, ids: torch.Tensor) -> None:
     """Roll the session back to the longest prefix of `ids` (1, tokens) it has processed: generate() then sends
     only the rest (the template's rendering of the last answer may differ from the tokens generated: its
     end-of-turn, or its text tokenized anew)."""
