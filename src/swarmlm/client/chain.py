@@ -48,7 +48,8 @@ class RetryBudget:
     """The one retry policy of a request (forward, backward or an inference step), bounded by max_retries calls.
 
     - "busy": the server has no room now. It cools down briefly on this client (no failure of it, never escalating)
-      and the request goes elsewhere, or back to it once the cool-down is over.
+      and the request goes elsewhere, or back to it once the cool-down is over. "timeout" (the request stopped
+      arriving at the server: the path between them stalled, not necessarily the server) is treated the same.
     - "too_large": the request exceeds this server's own limits: it is avoided for the rest of this request. If no
       other server can run the span, the RerouteError is raised (RemoteSequential then splits the sub-batch).
     - "bad_request" from one server: maybe that server is wrong, so another server is asked. The request is the

@@ -41,9 +41,10 @@ def call_work(blocks: int, tensors: Sequence[torch.Tensor]) -> int:
 
 
 class RerouteError(RemoteCallError):
-    """The server cannot take this request now ("busy") or at this size ("too_large"); another server may."""
+    """The server cannot take this request now ("busy", or "timeout": the request stopped arriving there) or at this
+    size ("too_large"); another server may."""
 
-    def __init__(self, message: str, peer_id: str | None, kind: Literal["busy", "too_large"]):
+    def __init__(self, message: str, peer_id: str | None, kind: Literal["busy", "too_large", "timeout"]):
         super().__init__(message, peer_id)
         self.kind = kind
 
@@ -123,7 +124,7 @@ def check_reply(
         text = f"server refused {method}: {reply.error}"
         if reply.error_kind == "bad_request":
             raise BadRequestError(text, peer_id)
-        if reply.error_kind in ("busy", "too_large"):
+        if reply.error_kind in ("busy", "too_large", "timeout"):
             raise RerouteError(text, peer_id, reply.error_kind)
         raise RemoteCallError(text, peer_id)
     return reply, outputs
@@ -186,7 +187,8 @@ async def _one_exchange(
     """Send one message on a new stream, end it, read the one reply and close the stream: the server waits for us
     to close first (net/transport.py says why), so nothing after the reply is awaited."""
     peer = await manager.ensure_connected(peer_id)
-    stream = await PeerStream.open(manager.p2p, peer, method, manager.config.request_timeout_s)
+    timeout_s = manager.config.request_timeout_s
+    stream = await PeerStream.open(manager.p2p, peer, method, timeout_s, io_timeout_s=timeout_s)
     try:
         await stream.send(encode(header, tensors, runtime_pb2.ExpertRequest))
         await stream.end()
@@ -241,8 +243,9 @@ class SpanStream:
                 if self._stream is None:
                     peer = await self.manager.ensure_connected(self.peer_id)
                     self._stream = await PeerStream.open(
-                        self.manager.p2p, peer, self.method, deadline - asyncio.get_running_loop().time()
-                    )
+                        self.manager.p2p, peer, self.method, deadline - asyncio.get_running_loop().time(),
+                        io_timeout_s=self.manager.config.request_timeout_s,
+                    )  # fmt: skip
                     self._replies = self._stream.replies()
                 self.out_of_step = True
                 await self._stream.send(encode(marked(header, wire), sent, runtime_pb2.ExpertRequest))

@@ -19,7 +19,7 @@ async def request_info(p2p: P2P, peer: PeerID, timeout_s: float) -> ServerInfo |
     The request is sent and the stream ended, the one reply read, and the stream closed: the server waits for the
     asker to close first (net/transport.py says why), so nothing after the reply is awaited."""
     async with asyncio.timeout(timeout_s):
-        stream = await PeerStream.open(p2p, peer, "rpc_info", timeout_s)
+        stream = await PeerStream.open(p2p, peer, "rpc_info", timeout_s, io_timeout_s=timeout_s)
         try:
             await stream.send(encode(InfoRequest(), [], runtime_pb2.ExpertRequest))
             await stream.end()

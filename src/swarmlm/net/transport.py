@@ -39,7 +39,9 @@ from hivemind.proto import runtime_pb2
 from hivemind.proto.p2pd_pb2 import RPCError
 
 from swarmlm.errors import LimitError, ProtocolError, short
+from swarmlm.net.arrival import TIMEOUT_KIND, arrival_timeout
 from swarmlm.net.frames import send_frames
+from swarmlm.net.peerlog import PEER_FAULTS
 from swarmlm.protocol.codec import MAX_CHUNKS_PER_PART
 from swarmlm.protocol.service import CLOSE_LINGER_S, METHODS, handle_name
 
@@ -57,6 +59,7 @@ MAX_FIELDS_PER_PART = 64
 # before the stream closes: a few maximal requests, while the refusal travels to the peer
 MAX_DRAIN_BYTES = 64 << 20
 DRAIN_READ_BYTES = 1 << 16  # one read of that drain
+BODY_READ_BYTES = 1 << 20  # one read of a frame's body (each read that brings bytes restarts the arrival deadline)
 
 # handlers are async generators: closing one runs its cleanup
 Replies = AsyncGenerator[runtime_pb2.ExpertResponse, None]
@@ -105,8 +108,9 @@ class Gate:
 @dataclass(frozen=True)
 class StreamLimits:
     max_frame_bytes: int  # largest frame a peer may send (our parts are <= 1 MiB of tensor data plus a header)
-    read_timeout_s: float  # longest a frame's body, once announced, may take to arrive
+    read_timeout_s: float  # longest a frame's body, once announced, may take to arrive in full
     write_timeout_s: float  # longest a reply may wait for the peer to read it
+    arrival_timeout_s: float  # longest a frame's body, once announced, may go without a byte arriving
 
 
 class _EndOfFrames(Exception):  # noqa: N818 - a signal between the reader and the handler's iterator, not an error
@@ -181,10 +185,13 @@ class _Stream:
 
     async def _read_frame(self) -> tuple[runtime_pb2.ExpertRequest, int] | None:
         try:
-            marker = await self.reader.readexactly(1)
-            length = int.from_bytes(await self.reader.readexactly(P2P.HEADER_LEN), P2P.BYTEORDER)
+            marker = await self.reader.readexactly(1)  # between frames: no deadline here (sessions idle between steps)
+            async with asyncio.timeout(self.limits.arrival_timeout_s):
+                length = int.from_bytes(await self.reader.readexactly(P2P.HEADER_LEN), P2P.BYTEORDER)
         except (asyncio.IncompleteReadError, ConnectionError) as e:
             raise _EndOfFrames from e
+        except TimeoutError as e:
+            raise arrival_timeout("a frame's header", self.limits.arrival_timeout_s) from e
         if length > self.limits.max_frame_bytes:
             raise LimitError(f"a frame of {length} bytes exceeds this server's limit of {self.limits.max_frame_bytes}",
                              "too_large")  # fmt: skip
@@ -209,13 +216,26 @@ class _Stream:
         return part, size
 
     async def _read_body(self, length: int) -> bytes:
+        """A frame's body, arriving without a pause over arrival_timeout_s and in full within read_timeout_s."""
+        limits, loop = self.limits, asyncio.get_running_loop()
+        chunks, left = [], length
         try:
-            return await asyncio.wait_for(self.reader.readexactly(length), self.limits.read_timeout_s)
+            async with asyncio.timeout(limits.read_timeout_s) as whole, asyncio.timeout(None) as pause:
+                while left:
+                    pause.reschedule(loop.time() + limits.arrival_timeout_s)
+                    chunk = await self.reader.read(min(left, BODY_READ_BYTES))
+                    if not chunk:
+                        raise _EndOfFrames
+                    chunks.append(chunk)
+                    left -= len(chunk)
         except TimeoutError as e:
-            raise LimitError(f"a frame of {length} bytes did not arrive in {self.limits.read_timeout_s:.0f} s",
-                             "bad_request") from e  # fmt: skip
-        except (asyncio.IncompleteReadError, ConnectionError) as e:
+            if not whole.expired():
+                raise arrival_timeout(f"a frame of {length} bytes", limits.arrival_timeout_s) from e
+            raise LimitError(f"a frame of {length} bytes did not arrive in {limits.read_timeout_s:.0f} s",
+                             TIMEOUT_KIND) from e  # fmt: skip
+        except ConnectionError as e:
             raise _EndOfFrames from e
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def _few_chunks(data: bytes, limit: int) -> bool:
@@ -263,7 +283,12 @@ async def register(
                          handler: Handler = handler, name: str = name) -> None:  # fmt: skip
             if gate is not None and not gate.admits(info.peer_id.to_base58()):
                 handler = gate.outsider
-            await _serve_stream(handler, name, p2p, info, reader, writer, ledger, limits)
+            try:
+                await _serve_stream(handler, name, p2p, info, reader, writer, ledger, limits)
+            except Exception as e:  # noqa: BLE001 - p2pd runs this as a task nobody awaits: its failure is told here
+                peer = info.peer_id.to_base58()
+                PEER_FAULTS.warning(logger, peer, "stream failed peer=...%s: %s", peer[-6:],
+                                    short(f"{type(e).__name__}: {e}"))  # fmt: skip
 
         await p2p.add_binary_stream_handler(name, handle)
 
@@ -334,7 +359,8 @@ async def _answer(
     try:
         await _send_all(replies, stream, writer, limits)
     except Exception as e:  # noqa: BLE001 - a handler's failure reaches the peer as a short error, as in hivemind
-        logger.warning("handler failed peer=...%s: %s", stream.peer[-6:], short(f"{type(e).__name__}: {e}"))
+        PEER_FAULTS.warning(logger, stream.peer, "handler failed peer=...%s: %s", stream.peer[-6:],
+                            short(f"{type(e).__name__}: {e}"))  # fmt: skip
         stream.wrote_last = False
         with contextlib.suppress(Exception):
             error = RPCError(message=short(f"{type(e).__name__}: {e}"))
@@ -366,8 +392,8 @@ async def _send_all(
             try:
                 await asyncio.wait_for(send_frames(writer, [reply]), limits.write_timeout_s)
             except TimeoutError:
-                logger.warning("peer ...%s did not read a reply in %.0f s: closing its stream",
-                               stream.peer[-6:], limits.write_timeout_s)  # fmt: skip
+                PEER_FAULTS.warning(logger, stream.peer, "peer ...%s did not read a reply in %.0f s: closing its "
+                                    "stream", stream.peer[-6:], limits.write_timeout_s)  # fmt: skip
                 return
             except (ConnectionError, RuntimeError):
                 logger.debug("peer ...%s closed its stream", stream.peer[-6:])

@@ -158,14 +158,16 @@ class ReplyHeader(_Header):
     protocol.bundle), or an error explains what went wrong (and no tensors follow).
 
     error_kind "bad_request" means the request itself is invalid (another server would reject it too);
-    "server" means this server failed to serve it, "busy" that it has no room now, and "too_large" that the request
-    exceeds this server's own limits (another server may accept it): the client may retry elsewhere.
+    "server" means this server failed to serve it, "busy" that it has no room now, "too_large" that the request
+    exceeds this server's own limits (another server may accept it), and "timeout" that the request stopped arriving
+    (its next bytes did not come within the server's arrival deadline): the client may retry elsewhere. A peer that
+    does not know a kind reads the reply as malformed, which it treats as that server's failure too.
     """
 
     ok: bool
     tensors: list[ReplyName] = Field(default_factory=list, strict=False)  # what follows: ReplyTensors.names()
     error: str | None = None
-    error_kind: Literal["bad_request", "server", "busy", "too_large"] | None = None
+    error_kind: Literal["bad_request", "server", "busy", "too_large", "timeout"] | None = None
     compute_ms: float = 0.0
     int8: bool = False  # its float tensors travel as int8 with per-row scales (as the request's did)
     push_error: str | None = None  # a step with next_hops ran, but pushing it on failed (the client takes over)

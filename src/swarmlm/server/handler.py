@@ -11,7 +11,9 @@ from collections.abc import AsyncIterator, Callable
 from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
 
-from swarmlm.errors import ProtocolError
+from swarmlm.errors import LimitError, ProtocolError
+from swarmlm.net.arrival import TIMEOUT_KIND, arriving
+from swarmlm.net.peerlog import PEER_FAULTS
 from swarmlm.protocol.codec import drain, encode, read_message, read_only_message
 from swarmlm.protocol.messages import (
     BackwardRequest,
@@ -37,10 +39,11 @@ class SpanHandler:
 
     def __init__(
         self, backend: SpanBackend, inference: InferenceSessions, request_timeout_s: float,
-        describe: Callable[[], ServerInfo],
+        describe: Callable[[], ServerInfo], *, arrival_timeout_s: float,
     ):  # fmt: skip
         self.backend, self.inference, self.describe = backend, inference, describe
-        self.request_timeout_s = request_timeout_s
+        self.request_timeout_s = request_timeout_s  # a request arrives in full within this
+        self.arrival_timeout_s = arrival_timeout_s  # and each of its parts after the first within this of the last
         self.max_request_bytes = max_message_bytes(backend.limits.max_tokens, backend.limits.hidden_size)
         self.served = 0  # requests answered successfully
         self.rejected = 0  # requests refused as bad or failed on this server
@@ -64,16 +67,18 @@ class SpanHandler:
         the pusher). The stream ends when the pusher ends it, or after the session idle timeout without a step."""
         while True:
             try:
-                message = await asyncio.wait_for(
-                    read_message(requests, PushStep, max_bytes=self.max_request_bytes), self.inference.idle_timeout_s
-                )
+                async with contextlib.aclosing(arriving(requests, self.arrival_timeout_s)) as parts:
+                    message = await asyncio.wait_for(
+                        read_message(parts, PushStep, max_bytes=self.max_request_bytes), self.inference.idle_timeout_s
+                    )
                 if message is None:
                     return
                 reply = self.inference.accept_push(*message)
             except TimeoutError:
                 return
             except ProtocolError as e:
-                logger.warning("push rejected peer=...%s: %s", str(context.remote_id)[-6:], short(str(e)))
+                peer = context.remote_id.to_base58()
+                PEER_FAULTS.warning(logger, peer, "push rejected peer=...%s: %s", peer[-6:], short(str(e)))
                 for part in encode(refusal(e), [], runtime_pb2.ExpertResponse):
                     yield part
                 await self._drain(requests)
@@ -91,14 +96,12 @@ class SpanHandler:
 
     async def _serve(self, requests: Parts, context: P2PContext, header_type: type[ForwardRequest]) -> Replies:
         began = time.perf_counter()
-        peer = str(context.remote_id)[-6:]
+        peer_id = context.remote_id.to_base58()
+        peer = peer_id[-6:]
         kind = header_type.model_fields["kind"].default
         refused = False  # a refused request may still be arriving
         try:
-            message = await asyncio.wait_for(
-                read_only_message(requests, header_type, max_bytes=self.max_request_bytes),
-                timeout=self.request_timeout_s,
-            )
+            message = await self._read_request(requests, header_type)
             if message is None:
                 raise ProtocolError("empty request stream")
             header, tensors = message
@@ -125,7 +128,7 @@ class SpanHandler:
             )  # fmt: skip
         except ProtocolError as e:
             self.rejected += 1
-            logger.warning("%s rejected peer=...%s: %s", kind, peer, short(str(e)))
+            PEER_FAULTS.warning(logger, peer_id, "%s rejected peer=...%s: %s", kind, peer, short(str(e)))
             reply = refusal(e)
             outputs, refused = [], True
         except Exception as e:  # noqa: BLE001 - any failure must become an error reply, never a dead server
@@ -137,6 +140,20 @@ class SpanHandler:
             yield part
         if refused:
             await self._drain(requests)
+
+    async def _read_request(
+        self, requests: Parts, header_type: type[ForwardRequest]
+    ) -> tuple[ForwardRequest, list] | None:
+        """The one message of a forward or backward stream, in full within request_timeout_s, its parts following
+        each other within arrival_timeout_s; LimitError of kind "timeout" when it does not arrive in time."""
+        try:
+            async with asyncio.timeout(self.request_timeout_s):
+                async with contextlib.aclosing(arriving(requests, self.arrival_timeout_s)) as parts:
+                    return await read_only_message(parts, header_type, max_bytes=self.max_request_bytes)
+        except TimeoutError as e:
+            raise LimitError(
+                f"the request did not arrive in full in {self.request_timeout_s:g} s", TIMEOUT_KIND
+            ) from e
 
     async def _drain(self, requests: Parts) -> None:
         """After a refusal is answered: read what the sender still sends (up to the deadline), so that its writes do

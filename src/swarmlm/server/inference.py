@@ -12,8 +12,11 @@ from typing import Any, Protocol
 from hivemind.proto import runtime_pb2
 from transformers.cache_utils import DynamicCache
 
+from swarmlm.config import ServerConfig
 from swarmlm.errors import ProtocolError
 from swarmlm.models.growing_cache import GrowingCache
+from swarmlm.net.arrival import arriving
+from swarmlm.net.peerlog import PEER_FAULTS
 from swarmlm.protocol.bundle import ReplyTensors, SpanTensors
 from swarmlm.protocol.codec import drain, encode, read_message
 from swarmlm.protocol.lora import LoraWeights
@@ -83,9 +86,11 @@ class InferenceSessions:
     def __init__(
         self, backend: SpanBackend, budget: CacheBudget, ledger: PeerLedger, *, alloc_timeout_s: float,
         idle_timeout_s: float, chunk_tokens: int, pusher: Pusher | None = None,
+        arrival_timeout_s: float = ServerConfig.arrival_timeout_s,
     ):  # fmt: skip
         self.backend, self.budget, self.ledger = backend, budget, ledger
         self.alloc_timeout_s, self.idle_timeout_s = alloc_timeout_s, idle_timeout_s
+        self.arrival_timeout_s = arrival_timeout_s  # a step's parts after its first follow each other within this
         self.chunk_tokens = chunk_tokens
         self.max_message_bytes = max_message_bytes(backend.limits.max_tokens, backend.limits.hidden_size)
         self.open_sessions = 0
@@ -113,7 +118,7 @@ class InferenceSessions:
             session = await self._open(requests, peer)
         except (ProtocolError, ServerBusyError, TimeoutError) as e:
             text = short(str(e) or "no open message in time")
-            logger.warning("inference open refused peer=...%s: %s", peer[-6:], text)
+            PEER_FAULTS.warning(logger, peer, "inference open refused peer=...%s: %s", peer[-6:], text)
             yield _reply(refusal(e, text))
             await self._drain(requests)
             return
@@ -216,7 +221,7 @@ class InferenceSessions:
         held: _HeldLora,
     ) -> Replies:  # fmt: skip
         cache = GrowingCache(max_tokens=session.max_length)
-        reader = _Reader(requests, self.max_message_bytes)
+        reader = _Reader(requests, self.max_message_bytes, self.arrival_timeout_s)
         pushed_to: set[str] = set()  # sessions this one pushed steps to (their streams close with it)
         try:
             async for part in self._run_steps(reader, session, peer, inbox, cache, pushed_to, held):
@@ -255,6 +260,7 @@ class InferenceSessions:
                 logger.info("inference session idle for %.0f s, closing peer=...%s", self.idle_timeout_s, peer)
                 return
             except ProtocolError as e:
+                PEER_FAULTS.warning(logger, peer, "inference stream refused peer=...%s: %s", peer[-6:], short(str(e)))
                 yield _reply(refusal(e))
                 await self._drain(requests)
                 return  # the stream itself is broken: nothing after this can be parsed
@@ -271,7 +277,7 @@ class InferenceSessions:
                 if brought is not None:  # they replace the session's: for this step and every later one
                     await held.replace(brought, self.alloc_timeout_s)
             except ProtocolError as e:
-                logger.warning("inference step rejected peer=...%s: %s", peer, short(str(e)))
+                PEER_FAULTS.warning(logger, peer, "inference step rejected peer=...%s: %s", peer[-6:], short(str(e)))
                 # too_large: over this server's own limits (another server may take it)
                 yield _reply(refusal(e))
                 continue  # the cache is untouched: the session goes on
@@ -378,14 +384,19 @@ class _Reader:
     """Reads a session's steps from its client's stream; a read interrupted by a pushed step goes on, to be taken
     by a later call (a message half read must never be dropped)."""
 
-    def __init__(self, requests: AsyncIterator, max_bytes: int):
-        self.requests, self.max_bytes = requests, max_bytes
+    def __init__(self, requests: AsyncIterator, max_bytes: int, arrival_timeout_s: float):
+        self.requests, self.max_bytes, self.arrival_timeout_s = requests, max_bytes, arrival_timeout_s
         self._read: asyncio.Future[Message | None] | None = None
 
     def next(self) -> asyncio.Future[Message | None]:
         if self._read is None:
-            self._read = asyncio.ensure_future(read_message(self.requests, InferenceStep, max_bytes=self.max_bytes))
+            self._read = asyncio.ensure_future(self._read_step())
         return self._read
+
+    async def _read_step(self) -> Message | None:
+        """The next step: whenever its first part comes, the others each within arrival_timeout_s."""
+        async with contextlib.aclosing(arriving(self.requests, self.arrival_timeout_s)) as parts:
+            return await read_message(parts, InferenceStep, max_bytes=self.max_bytes)
 
     def take(self) -> Message | None:
         read, self._read = self._read, None
@@ -394,11 +405,18 @@ class _Reader:
         return read.result()
 
     async def cancel(self) -> None:
+        """Stop the read in progress. A read that already failed (the peer broke the stream as the session ended) has
+        its error taken here: left untaken, asyncio would log it with a traceback when the read is collected."""
         read, self._read = self._read, None
-        if read is not None and not read.done():
-            read.cancel()
-            with contextlib.suppress(asyncio.CancelledError, TimeoutError, ProtocolError):
-                await read
+        if read is None:
+            return
+        if read.done():
+            if not read.cancelled():
+                read.exception()  # taken (None after a clean read): the session is over, so is what it read
+            return
+        read.cancel()
+        with contextlib.suppress(asyncio.CancelledError, TimeoutError, ProtocolError):
+            await read
 
 
 class _Closing(Exception):  # noqa: N818 - a signal between two methods, never raised out of this module

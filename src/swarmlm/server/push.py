@@ -130,7 +130,7 @@ class Pusher:
                 if record is None or not record.addrs:
                     raise ValueError("the next hop is not a server of this swarm")
                 await self._dialer.ensure_connected(self.p2p, peer, record.addrs)
-            stream = await PeerStream.open(self.p2p, peer, "rpc_push", self.timeout_s)
+            stream = await PeerStream.open(self.p2p, peer, "rpc_push", self.timeout_s, io_timeout_s=self.timeout_s)
             link = self._links[hop.session_id] = _Link(stream, stream.replies())
         return link
 

@@ -191,16 +191,18 @@ class Server:
         if self.dht is None:
             raise RuntimeError("the server's DHT is started by run()")
         record = self._record(state)
-        if not await announce(self.dht, self.dht_prefix, self.peer_id, record, self.config.record_ttl_s):
-            logger.warning(
-                "Storing the DHT record (%s) failed; next try in %.0f s", state, self.config.announce_interval_s
-            )
+        failed = await announce(self.dht, self.dht_prefix, self.peer_id, record, self.config.record_ttl_s)
+        if failed is not None:
+            logger.warning("Storing the DHT record (%s) failed: %s; next try in %.0f s", state, failed,
+                           self.config.announce_interval_s)  # fmt: skip
         if self.config.swarm_key is not None:
             return record  # a private swarm lists no model in the open catalog (its records are sealed)
         entry = CatalogEntry(dht_prefix=self.dht_prefix, model=self.model_name.display,
                              num_blocks=self.num_blocks_total, announced_at=get_dht_time())  # fmt: skip
-        if not await announce_entry(self.dht, self.peer_id, entry, self.config.record_ttl_s):
-            logger.warning("Storing the catalog entry failed; next try in %.0f s", self.config.announce_interval_s)
+        failed = await announce_entry(self.dht, self.peer_id, entry, self.config.record_ttl_s)
+        if failed is not None:
+            logger.warning("Storing the catalog entry failed: %s; next try in %.0f s", failed,
+                           self.config.announce_interval_s)  # fmt: skip
         return record
 
     async def _read_swarm(self) -> Mapping[str, ServerRecord]:
@@ -304,9 +306,14 @@ class Server:
             idle_timeout_s=cfg.session_idle_timeout_s,
             chunk_tokens=cfg.inference_chunk_tokens,
             pusher=Pusher(p2p, self._read_swarm, cfg.request_timeout_s),
+            arrival_timeout_s=cfg.arrival_timeout_s,
         )
-        self.handler = SpanHandler(self.backend, self.inference, cfg.request_timeout_s, self.describe)
-        limits = StreamLimits(int(cfg.max_frame_mb * 1e6), cfg.request_timeout_s, cfg.write_timeout_s)
+        self.handler = SpanHandler(
+            self.backend, self.inference, cfg.request_timeout_s, self.describe, arrival_timeout_s=cfg.arrival_timeout_s
+        )
+        limits = StreamLimits(
+            int(cfg.max_frame_mb * 1e6), cfg.request_timeout_s, cfg.write_timeout_s, cfg.arrival_timeout_s
+        )
         gate = None
         if cfg.swarm_key is not None:  # a private swarm: only peers that proved they hold its key are served
             members = Members(cfg.swarm_key)

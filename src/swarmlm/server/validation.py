@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from typing import ParamSpec, TypeVar
 
 import torch
 
@@ -12,6 +14,11 @@ from swarmlm.protocol.bundle import SpanTensors
 from swarmlm.protocol.lora import LoraSpec, LoraWeights, lora_layout
 from swarmlm.protocol.messages import BackwardRequest, ForwardRequest, InferenceOpen, InferenceStep
 from swarmlm.server.peers import LimitError
+
+P = ParamSpec("P")
+R = TypeVar("R")
+# what torch raises on a tensor no check foresaw (an empty one, an odd dtype): still the sender's malformed input
+_TENSOR_ERRORS = (RuntimeError, ValueError, TypeError, IndexError)
 
 # dtypes hidden states may arrive in; the server computes in its own dtype and answers in the sender's
 HIDDEN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -30,6 +37,20 @@ def max_message_bytes(max_tokens: int, hidden_size: int) -> int:
     LoRA weights count against it too)."""
     token_bytes = hidden_size * _BYTES_PER_HIDDEN_VALUE + 16  # hidden states (or gradients), mask and position
     return _READ_SLACK * max_tokens * token_bytes + _EXTRA_MESSAGE_BYTES
+
+
+def _refusing_crashes(check: Callable[P, R]) -> Callable[P, R]:
+    """`check`, with a torch error on an input it did not foresee raised as ProtocolError: the sender gets a
+    bad_request reply like for any malformed input, and its inference session goes on."""
+
+    @functools.wraps(check)
+    def checked(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return check(*args, **kwargs)
+        except _TENSOR_ERRORS as e:
+            raise ProtocolError(f"malformed tensors: {type(e).__name__}: {e}") from e
+
+    return checked
 
 
 @dataclass(frozen=True)
@@ -92,9 +113,14 @@ def _checked_mask(mask: torch.Tensor, batch: int, length: int) -> torch.Tensor:
     return mask.to(torch.int64)
 
 
+def _within(values: torch.Tensor, low: int, high: int) -> bool:
+    """Whether every value lies in [low, high): true of an empty tensor, whose min() and max() would raise."""
+    return values.numel() == 0 or (int(values.min()) >= low and int(values.max()) < high)
+
+
 def _checked_positions(positions: torch.Tensor, batch: int, seq: int, limits: SpanLimits) -> torch.Tensor:
     _check_index_tensor(positions, (batch, seq), "position_ids")
-    if positions.dtype == torch.bool or positions.min() < 0 or positions.max() >= limits.max_position:
+    if positions.dtype == torch.bool or not _within(positions, 0, limits.max_position):
         raise ProtocolError(f"position_ids must lie in [0, {limits.max_position})")
     return positions.to(torch.int64)
 
@@ -122,6 +148,7 @@ def check_prompts(
         raise ProtocolError("prompts contain NaN or infinite values")
 
 
+@_refusing_crashes
 def check_lora(
     spec: LoraSpec | None, flat: torch.Tensor | None, start: int, end: int, limits: SpanLimits,
     adapter: str | None = None,
@@ -150,6 +177,7 @@ def check_lora(
     return LoraWeights(spec, layout, flat, start)
 
 
+@_refusing_crashes
 def check_span_request(header: ForwardRequest, tensors: list[torch.Tensor], limits: SpanLimits) -> SpanTensors:
     """Validate a forward or backward request and return its bundle, with index tensors as int64."""
     check_blocks(header.start_block, header.end_block, limits)
@@ -182,6 +210,7 @@ def check_open(header: InferenceOpen, limits: SpanLimits) -> None:
         raise ProtocolError(f"max_length {header.max_length} exceeds the model's context of {limits.max_position}")
 
 
+@_refusing_crashes
 def check_step(
     header: InferenceStep, tensors: list[torch.Tensor], limits: SpanLimits, session: InferenceOpen, past: int
 ) -> SpanTensors:
@@ -208,7 +237,7 @@ def check_step(
         positions = _checked_positions(positions, batch, seq, limits)
     if hypo_ids is not None:
         _check_index_tensor(hypo_ids, (batch,), "hypo_ids")
-        if hypo_ids.dtype == torch.bool or hypo_ids.min() < 0 or hypo_ids.max() >= batch:
+        if hypo_ids.dtype == torch.bool or not _within(hypo_ids, 0, batch):
             raise ProtocolError(f"hypo_ids must lie in [0, {batch})")
         hypo_ids = hypo_ids.to(torch.int64)
     if bundle.prompts is not None:

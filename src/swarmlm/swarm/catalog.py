@@ -9,9 +9,9 @@ from __future__ import annotations
 import logging
 
 import hivemind
-from hivemind.utils import get_dht_time
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from swarmlm.swarm.dht import store_subkey
 from swarmlm.swarm.identity import public_key_of
 
 logger = logging.getLogger(__name__)
@@ -34,15 +34,10 @@ class CatalogEntry(BaseModel):
     announced_at: float = Field(ge=0)  # DHT time of this announcement
 
 
-async def announce_entry(dht: hivemind.DHT, peer_id: str, entry: CatalogEntry, ttl_s: float) -> bool:
-    """Store (or refresh) this server's catalog entry; it expires after ttl_s unless refreshed."""
-    return await dht.store(
-        CATALOG_KEY,
-        subkey=peer_id,
-        value=entry.model_dump(mode="json"),
-        expiration_time=get_dht_time() + ttl_s,
-        return_future=True,
-    )
+async def announce_entry(dht: hivemind.DHT, peer_id: str, entry: CatalogEntry, ttl_s: float) -> str | None:
+    """Store (or refresh) this server's catalog entry, which expires after ttl_s unless refreshed; None once the DHT
+    holds it, else what failed and why (swarm/dht.py, store_subkey)."""
+    return await store_subkey(dht, CATALOG_KEY, peer_id, entry.model_dump(mode="json"), ttl_s)
 
 
 async def fetch_catalog(dht: hivemind.DHT) -> dict[str, CatalogEntry]:

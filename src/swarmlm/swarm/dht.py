@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 import hivemind
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.p2p import P2PDaemonError
+from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 
 from swarmlm.checks import check_can_listen, check_ip_host, check_peer_maddrs
@@ -202,6 +203,38 @@ def _is_loopback_host(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return host == "localhost"
+
+
+async def store_subkey(dht: hivemind.DHT, key: str, subkey: str, value: object, ttl_s: float) -> str | None:
+    """Store `value` under `key`'s `subkey` for ttl_s; None once the DHT holds it, else what failed and why.
+
+    hivemind's answer to a store is that of the replica that answered last: one replica that refuses (a rogue node,
+    one holding a later-dated value under the key) fails a store the others took. So a failed store is checked by
+    reading the key back, and only a value the DHT does not give back is a failure."""
+    expiration = get_dht_time() + ttl_s
+    if await dht.store(key, subkey=subkey, value=value, expiration_time=expiration, return_future=True):
+        return None
+    found = await dht.get(key, latest=True, return_future=True)
+    why = why_not_stored(found, subkey, value, expiration)
+    return None if why is None else f"key {key!r} subkey ...{subkey[-6:]}: {why}"
+
+
+def why_not_stored(found: object, subkey: str, value: object, expiration: float) -> str | None:
+    """None when `found` (what a DHT read gives back for a key) holds `value` under `subkey` until `expiration` or
+    later, else why it does not."""
+    if found is None:
+        return "no replica took it (the DHT gives back nothing under this key)"
+    entries = getattr(found, "value", None)
+    if not isinstance(entries, dict):
+        return f"the key holds a {type(entries).__name__} value, not one entry per subkey, that outlives ours"
+    entry = entries.get(subkey)
+    if entry is None:
+        return "no replica took it (the DHT gives back other subkeys' values, not ours)"
+    if entry.expiration_time < expiration:
+        return f"replicas keep an older value of ours (it expires {expiration - entry.expiration_time:.1f} s sooner)"
+    if entry.expiration_time == expiration and entry.value != value:
+        return "replicas keep a different value of ours with the same expiration"
+    return None
 
 
 def visible_maddrs(dht: hivemind.DHT) -> list[str]:

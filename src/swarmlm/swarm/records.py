@@ -7,17 +7,19 @@ from enum import StrEnum
 from typing import Annotated
 
 import hivemind
-from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator, model_validator
 
 from swarmlm.protocol.messages import ADAPTER_NAME_PATTERN, PROTOCOL_VERSION
+from swarmlm.swarm.dht import store_subkey
 from swarmlm.swarm.identity import public_key_of
 
 logger = logging.getLogger(__name__)
 
 # a record naming more LoRA adapters than this is refused (a server loads each into memory: real ones hold a few)
 MAX_ADAPTERS = 256
+# no model has anywhere near this many blocks (the largest open ones have ~130): a span ending beyond it is a lie
+MAX_BLOCKS = 1 << 16
 AdapterName = Annotated[str, StringConstraints(pattern=ADAPTER_NAME_PATTERN)]
 
 
@@ -37,7 +39,7 @@ class ServerRecord(BaseModel):
 
     state: ServerState
     start: int = Field(ge=0)  # first block served
-    end: int = Field(ge=1)  # one past the last block served
+    end: int = Field(ge=1, le=MAX_BLOCKS)  # one past the last block served
     throughput: float = Field(gt=0)  # tokens/s through one block, as the server measured itself (a claim)
     dtype: str  # compute dtype of the server's blocks
     protocol_version: int = PROTOCOL_VERSION
@@ -61,20 +63,22 @@ class ServerRecord(BaseModel):
             Multiaddr(addr.split("/p2p/")[0])  # raises StringParseError, a ValueError: pydantic reports it
         return addrs
 
+    @model_validator(mode="after")
+    def _a_span(self) -> ServerRecord:
+        # an empty or reversed span serves nothing: routing must never see one
+        if self.start >= self.end:
+            raise ValueError(f"start {self.start} must be below end {self.end}")
+        return self
+
 
 def servers_key(dht_prefix: str) -> str:
     return f"{dht_prefix}.servers"
 
 
-async def announce(dht: hivemind.DHT, dht_prefix: str, peer_id: str, record: ServerRecord, ttl_s: float) -> bool:
-    """Store (or refresh) this server's record; it expires after ttl_s unless refreshed."""
-    return await dht.store(
-        servers_key(dht_prefix),
-        subkey=peer_id,
-        value=record.model_dump(mode="json"),
-        expiration_time=get_dht_time() + ttl_s,
-        return_future=True,
-    )
+async def announce(dht: hivemind.DHT, dht_prefix: str, peer_id: str, record: ServerRecord, ttl_s: float) -> str | None:
+    """Store (or refresh) this server's record, which expires after ttl_s unless refreshed; None once the DHT holds
+    it, else what failed and why (swarm/dht.py, store_subkey)."""
+    return await store_subkey(dht, servers_key(dht_prefix), peer_id, record.model_dump(mode="json"), ttl_s)
 
 
 async def fetch_servers(dht: hivemind.DHT, dht_prefix: str) -> dict[str, ServerRecord]:
