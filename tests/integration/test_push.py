@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import torch
 from swarmlm.client.span_call import call_span
 from swarmlm.errors import BadRequestError
 from swarmlm.protocol.messages import PushStep
+from swarmlm.server.push import TRUSTED_LINK_S
 from swarmlm.tools.local_swarm import LocalSwarm
 from tests.conftest import connected_model, load_reference, running_swarm
 
@@ -84,6 +86,36 @@ def test_a_killed_server_mid_generation_falls_back_and_changes_nothing(tiny_mode
             middle.process.wait()
             rest = model.generate(None, max_new_tokens=8, min_new_tokens=8, do_sample=False, session=session)
     assert torch.cat([first, rest], dim=1)[0].tolist() == expected
+
+
+def test_a_frozen_next_server_is_blamed_and_passed_by_within_the_liveness_window(tiny_model_dir, reference) -> None:
+    """A server goes silent (SIGSTOP: connected, and mute) while the server before it waits to push it a step. The
+    client, which waits for the first server's reply, pings the servers the step goes on to as well: it blames the
+    silent one (not the healthy server waiting for it), re-routes around it in seconds, not after its request
+    timeout, and the tokens do not change."""
+    ids = torch.tensor([[21, 22, 23, 24]])
+    expected = local_greedy(reference, ids, 12)
+    spans = [*SPANS[:3], (2, 4)]  # a chain of three, and a replica of its middle
+    with running_swarm(tiny_model_dir, spans) as swarm, connected_model(
+        tiny_model_dir, swarm, request_timeout_s=120.0, liveness_check_s=2.0
+    ) as model:  # fmt: skip
+        manager = model.model.layers.client.manager
+        with model.inference_session(max_length=32) as session:
+            first = model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False, session=session)
+            route = {span.start: span.peer_id for span in session.route}
+            middle = next(s for s in swarm.servers if s.peer_id == route[2])
+            middle.process.send_signal(signal.SIGSTOP)
+            time.sleep(TRUSTED_LINK_S + 1)  # the first server now waits for the next one's word before it answers
+            try:
+                began = time.monotonic()
+                rest = model.generate(None, max_new_tokens=8, min_new_tokens=8, do_sample=False, session=session)
+                waited = time.monotonic() - began
+                banned = manager.health.banned()
+            finally:
+                middle.process.send_signal(signal.SIGCONT)
+    assert torch.cat([first, rest], dim=1)[0].tolist() == expected
+    assert route[2] in banned and route[0] not in banned
+    assert waited < 30.0, f"the client waited {waited:.0f} s: it did not notice the silent server by its pings"
 
 
 def test_a_push_to_a_session_that_does_not_exist_is_refused(tiny_model_dir, swarm) -> None:

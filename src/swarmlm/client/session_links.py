@@ -62,7 +62,10 @@ class SpanLink:
         header = InferenceStep(
             tensors=sent.names(), start_from_position=start_from, next_hops=next_hops or [], lora=spec
         )
-        reply = await self.stream.exchange(header, sent.tensors())  # checked: the hidden states, shaped like ours
+        # checked: the hidden states, shaped like ours. A server that pushes replies only once the next server
+        # took the step (server/push.py), so a silent next server must fail this wait too, naming itself
+        watch = [hop.peer_id for hop in next_hops or []]
+        reply = await self.stream.exchange(header, sent.tensors(), watch=watch)
         self.lora_sent = lora or self.lora_sent
         return reply.required("hidden")
 

@@ -111,6 +111,14 @@ class Recovery:
     ) -> None:
         """A pushed step failed at links[index] (error: its call failed; None: it could not push on). Close what may
         still receive the step, then count the failure (which may end the step)."""
+        silent = error.peer_id if error is not None else None
+        later = [i for i in range(index + 1, len(links)) if links[i].span.peer_id == silent]
+        if error is not None and later:
+            # a server the step was pushed on to went silent while this one waited for it: everything from here is
+            # rebuilt (the step may still be on its way), and the failure is that server's, not this one's
+            await drop_after(links, index)
+            retry.failed(links[later[0]].span, error)
+            return
         if error is not None and index > 0 and error.peer_id == links[index - 1].span.peer_id:
             index -= 1  # the server that should have pushed went silent: its cache is lost to us as well
             await drop_after(links, index)

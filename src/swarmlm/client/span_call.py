@@ -226,10 +226,12 @@ class SpanStream:
         self.out_of_step = False
 
     async def exchange(
-        self, header: _Header, tensors: Sequence[torch.Tensor], expected: Expects | None = None
-    ) -> ReplyTensors:
+        self, header: _Header, tensors: Sequence[torch.Tensor], expected: Expects | None = None,
+        watch: Sequence[str] = (),
+    ) -> ReplyTensors:  # fmt: skip
         """Send one message and return its reply's tensors: by default those of a session's replies (the output
-        hidden states, shaped like the input hidden states; none for a message without tensors)."""
+        hidden states, shaped like the input hidden states; none for a message without tensors). watch: other
+        servers the reply waits for (those a pushed step goes on to), whose silence fails the wait too."""
         if expected is None:
             expected = {"hidden": Expected.like(tensors[0])} if tensors else {}
         if isinstance(header, InferenceOpen):  # the opening message: the session's blocks, to cost its steps
@@ -249,7 +251,7 @@ class SpanStream:
                     self._replies = self._stream.replies()
                 self.out_of_step = True
                 await self._stream.send(encode(marked(header, wire), sent, runtime_pb2.ExpertRequest))
-        message = await self._read(wire_expected, deadline)
+        message = await self._read(wire_expected, deadline, watch)
         self.out_of_step = False
         reply, outputs = _checked(self.manager, message, self.method, self.peer_id, time.perf_counter() - began)
         elapsed_s = time.perf_counter() - began
@@ -273,7 +275,7 @@ class SpanStream:
         self, wire_expected: Expects, deadline: float, upstreams: Sequence[str] = ()
     ) -> tuple[ReplyHeader, list[torch.Tensor]] | None:
         """The next reply on the open stream, read by the deadline and only up to the expected bytes; a silent
-        server (this one, or an upstream one) fails the read early (client/liveness.py)."""
+        server (this one, or another the reply depends on: upstreams) fails the read early (client/liveness.py)."""
         with remote_errors(self.method, self.peer_id, self.manager.config.request_timeout_s):
             async with asyncio.timeout_at(deadline):
                 if self._replies is None:
