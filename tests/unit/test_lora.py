@@ -159,7 +159,7 @@ def test_a_session_sends_its_lora_weights_once_per_server(span: SpanModel) -> No
     session = SpanLink(SimpleNamespace(), RouteSpan("peer", 2, 5), session_start=0)
     sent: list[tuple] = []
 
-    async def exchange(header: object, tensors: list[torch.Tensor]) -> ReplyTensors:
+    async def exchange(header: object, tensors: list[torch.Tensor], watch: object = ()) -> ReplyTensors:
         sent.append((header, tensors))
         return ReplyTensors(hidden=tensors[0])
 
