@@ -10,6 +10,7 @@ matplotlib.use("Agg")  # files only: no display, and the same pixels on every ma
 
 import matplotlib.pyplot as plt  # noqa: E402 - after the backend is chosen
 import numpy as np  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
 
 from swarmlm.sim.metrics import Metrics  # noqa: E402
 from swarmlm.sim.report import farthest_region, region_name  # noqa: E402
@@ -28,9 +29,7 @@ def throughput(runs: dict[str, Metrics], path: Path) -> None:
     ax.set_ylabel("tokens/s")
     ax.set_title("Swarm decode rate and its upper bound")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def coverage(m: Metrics, name: str, path: Path) -> None:
@@ -42,9 +41,7 @@ def coverage(m: Metrics, name: str, path: Path) -> None:
     ax.set_xlabel("hour")
     ax.set_ylabel("block")
     ax.set_title(f"Servers per block over time ({name} placement)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def latency(scenario: Scenario, runs: dict[str, Metrics], path: Path) -> None:
@@ -65,6 +62,10 @@ def latency(scenario: Scenario, runs: dict[str, Metrics], path: Path) -> None:
     ax.set_ylabel("share of tokens")
     ax.set_title("Per-token latency (cumulative)")
     ax.legend(fontsize=8)
+    _save(fig, path)
+
+
+def _save(fig: Figure, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
