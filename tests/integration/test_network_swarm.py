@@ -136,9 +136,12 @@ def test_a_server_sigkilled_mid_generation_changes_nothing(swarm: NetSwarm, tiny
 
 def test_routes_use_the_near_replica_from_the_first_request(swarm: NetSwarm, tiny_model_dir: Path) -> None:
     near, far = swarm.servers[3], swarm.servers[4]
-    # routing alone: no spot checks (they re-run requests on the other replica) and no exploration
+    # routing alone: no spot checks (they re-run requests on the other replica) and no exploration. The latency
+    # policy (that of inference sessions) is the one where distance decides: under the throughput policy of batch
+    # work a replica that announced twice the throughput rightly wins, and six servers measuring themselves at once
+    # on two cores announce figures that differ that much
     model = connect(swarm, tiny_model_dir, [near, far], verify_probability=0.0, verify_first_requests=0,
-                    explore_interval_s=0)  # fmt: skip
+                    explore_interval_s=0, routing="latency")  # fmt: skip
     try:
         manager = model.model.layers.client.manager
         for _ in range(5):
