@@ -52,8 +52,10 @@ def test_simulate_writes_a_reproducible_report_with_all_three_rules_and_plots(tm
     assert (tmp_path / "c" / "report.json").read_bytes() != report
 
 
-# the validation: a real loopback swarm of SmolLM2 (3 servers, 8 users at once) against the simulator's prediction
-# from step costs measured here, on this machine (one server at 1 and 8 sessions, 3 servers at 1 session)
+# the validation: a real loopback swarm of SmolLM2 (2 servers, 8 users at once) against the simulator's prediction
+# from step costs measured here, on this machine (one server at 1 and 8 sessions, 2 servers at 1 session). The
+# simulator gives every server a machine of its own: two one-thread servers on two cores come close to that, three
+# do not (the third waits for a core, which the simulated swarm never does)
 NEW_TOKENS = 24
 USERS = 8
 QUESTIONS = [
@@ -94,16 +96,16 @@ def test_the_simulator_predicts_a_loopback_swarms_decode_rate_within_a_quarter(s
                for q in QUESTIONS]  # fmt: skip
     blocks = load_config(smollm_dir).num_hidden_layers
     one_1, one_n = measured_rates(smollm_dir, [(0, blocks)], prompts)
-    spans = even_spans(blocks, 3)
-    three_1, three_n = measured_rates(smollm_dir, spans, prompts)
+    spans = even_spans(blocks, 2)
+    two_1, two_n = measured_rates(smollm_dir, spans, prompts)
     # per-token times: 1 / rate for one user; USERS / rate when USERS decode in step
-    t1, tn, t3 = 1 / one_1, USERS / one_n, 1 / three_1
-    hop_s = max(0.0, (t3 - t1) / 2)  # two more hops than one server
+    t1, tn, t2 = 1 / one_1, USERS / one_n, 1 / two_1
+    hop_s = max(0.0, t2 - t1)  # one more hop than one server
     block_s = max(1e-6, (t1 - hop_s) / blocks)  # the client's own cost folded in: only sums of these matter here
     slope = max(0.0, (tn - t1) / (blocks * block_s * (USERS - 1)))
     costs = StepCosts(block_s=block_s, batch_slope=slope, hop_s=hop_s, client_s=0.0)
     assert predicted_rate([(0, blocks)], 1, NEW_TOKENS, costs) == pytest.approx(one_1, rel=0.1)  # the calibration
     predicted = predicted_rate(spans, USERS, NEW_TOKENS, costs)
-    print(f"measured {three_n:.1f} tokens/s, simulated {predicted:.1f} (1 server: {one_1:.1f} / {one_n:.1f}, "
-          f"3 servers: {three_1:.1f})")  # fmt: skip
-    assert predicted == pytest.approx(three_n, rel=0.25)
+    print(f"measured {two_n:.1f} tokens/s, simulated {predicted:.1f} (1 server: {one_1:.1f} / {one_n:.1f}, "
+          f"2 servers: {two_1:.1f})")  # fmt: skip
+    assert predicted == pytest.approx(two_n, rel=0.25)
