@@ -186,11 +186,26 @@ class ServerConfig:
         allowed=POSITIVE,
     )
     # fairness between hosts (server/peers.py, server/fairness.py); a host is the remote address of a peer's streams
-    host_share: float = 0.5  # fraction of the cache, session slots, buffered bytes and streams one host may hold
-    total_memory_mb: float | None = None  # MB of requests all peers may have buffered (default: 8 peers' bounds)
-    max_streams_per_peer: int | None = None  # streams one peer may hold open (default: max_sessions + 64)
-    max_streams: int | None = None  # streams all peers may hold open (default: 8 per session slot)
-    reclaim_idle_s: float = 2.0  # when a pool is full, holders idle this long are closed first for a peer that waits
+    host_share: float = option(
+        0.5,
+        "fraction of the KV cache, session slots, buffered bytes and streams the peers of one address may hold",
+        allowed=FRACTION,
+    )
+    total_memory_mb: float | None = option(
+        None, "MB of requests all peers together may have buffered (default: 8 peers' bounds)", allowed=POSITIVE
+    )
+    max_streams_per_peer: int | None = option(
+        None, "streams one peer may hold open (default: max sessions per peer + 64)", allowed=POSITIVE_INT
+    )
+    max_streams: int | None = option(
+        None, "streams all peers together may hold open (default: 8 per session slot)", allowed=POSITIVE_INT
+    )
+    reclaim_idle_s: float = option(
+        2.0,
+        "when a pool is full and a peer waits, holders idle this many seconds are closed first (their clients replay "
+        "elsewhere)",
+        allowed=NON_NEGATIVE,
+    )
 
 
 @dataclass(frozen=True)
