@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from swarmlm.errors import SwarmError
 from swarmlm.swarm.dht import ParentBoundDHT, start_dht, visible_maddrs
 from swarmlm.swarm.private import load_swarm_key
@@ -160,9 +162,20 @@ class LocalSwarm:
                     )
 
     def kill(self, server: LocalServer) -> None:
-        """SIGKILL, as a crash or a pulled cable would look to the swarm."""
+        """SIGKILL, as a crash or a pulled cable would look to the swarm. Returns once its helper processes (its p2p
+        daemon, its DHT node), which die with it, are gone too: until then they hold its port."""
+        try:
+            helpers = psutil.Process(server.process.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            helpers = []
         server.process.send_signal(signal.SIGKILL)
         server.process.wait()
+        _, alive = psutil.wait_procs(helpers, timeout=SERVER_STOP_TIMEOUT_S)
+        for helper in alive:
+            logger.warning("a helper (pid %d) of the killed server %d:%d outlived it; killing it",
+                           helper.pid, server.start, server.end)  # fmt: skip
+            helper.kill()
+        psutil.wait_procs(alive, timeout=SERVER_STOP_TIMEOUT_S)
 
     def stop_server(self, server: LocalServer) -> None:
         if server.process.poll() is None:
