@@ -185,6 +185,12 @@ class ServerConfig:
         "largest frame a peer may send, in MB (frames of swarmlm's own peers carry at most 1 MiB of tensors)",
         allowed=POSITIVE,
     )
+    activation_cache_mb: float = option(
+        1024.0,
+        "MB of forward activations kept for the backward that follows, so a training step's forward is not "
+        "recomputed (on the compute device; 0: keep none)",
+        allowed=NON_NEGATIVE,
+    )
     # fairness between hosts (server/peers.py, server/fairness.py); a host is the remote address of a peer's streams
     host_share: float = option(
         0.5,

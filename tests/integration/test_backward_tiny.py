@@ -92,6 +92,9 @@ def test_gradients_equal_local_autograd(tiny_model_dir: Path, reference, tuned, 
             "prompt_tuning.prompt_embeddings", "prompt_tuning.deep_prompts"
         ]  # fmt: skip
         remote, local = gradients(model, reference, ids, weights)
+        # every server ran the backward from the graph its forward kept (server/activations.py)
+        for server in swarm.servers:
+            assert "runs from its kept forward" in server.log_path.read_text(), server.log_tail()
     for actual, expected in zip(remote, local, strict=True):
         assert_close(actual, expected)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from dataclasses import dataclass, replace
 
 import torch
@@ -25,6 +26,7 @@ logger = logging.getLogger(__name__)
 class Hop:
     span: RouteSpan  # the blocks and server that ran them
     inputs: torch.Tensor  # the hidden states the span received
+    kept: str | None = None  # the id under which the server was asked to keep the forward's graph for the backward
 
 
 @dataclass(frozen=True)
@@ -99,14 +101,19 @@ class RetryBudget:
 
 
 async def _call(
-    manager: SequenceManager, span: RouteSpan, hidden: torch.Tensor, args: ChainArgs, grad: torch.Tensor | None
-) -> ReplyTensors:
-    """The span-call helper of both directions: forward when grad is None, else backward."""
+    manager: SequenceManager, span: RouteSpan, hidden: torch.Tensor, args: ChainArgs, grad: torch.Tensor | None,
+    kept: str | None = None,
+) -> ReplyTensors:  # fmt: skip
+    """The span-call helper of both directions: forward when grad is None, else backward. kept: in a forward, the
+    id under which the server is asked to keep the graph; in a backward, the id its forward was kept under."""
     bundle = args.for_span(span, hidden, grad)
-    request_type = ForwardRequest if grad is None else BackwardRequest
-    header = request_type(
-        start_block=span.start, end_block=span.end, tensors=bundle.names(), adapter=manager.config.active_adapter,
-        lora=None if args.lora is None else args.lora.spec,
+    spec = None if args.lora is None else args.lora.spec
+    adapter = manager.config.active_adapter
+    header: ForwardRequest = (
+        ForwardRequest(start_block=span.start, end_block=span.end, tensors=bundle.names(), adapter=adapter,
+                       lora=spec, keep=kept) if grad is None
+        else BackwardRequest(start_block=span.start, end_block=span.end, tensors=bundle.names(), adapter=adapter,
+                             lora=spec, kept=kept)
     )  # fmt: skip
     # the reply: hidden states like the input; in backward their gradient, and the prompts' and LoRA gradients
     # exactly when the request sent prompts and LoRA weights
@@ -129,23 +136,26 @@ async def run_forward_chain(
     args: ChainArgs,
     retry: RetryBudget | None = None,
     verify: bool = True,
+    keep: bool = False,
 ) -> tuple[torch.Tensor, list[Hop]]:
     """Hidden states after blocks [start, end) from `hidden` (args.inputs.hidden, or a hop's saved input when a
     backward recomputes a span, under the backward's retry budget), and the hops that produced them (with each
-    hop's inputs). With verify, hops are spot-checked as the client's Verifier decides (client/verify.py)."""
+    hop's inputs). With verify, hops are spot-checked as the client's Verifier decides (client/verify.py). With
+    keep, each server is asked to keep its hop's graph for the backward (server/activations.py)."""
     retry, hops, position = retry or RetryBudget(manager), [], start
     tokens = hidden.shape[0] * hidden.shape[1]
     while position < end:
         route = await retry.route(position, end, tokens)
         for span in route:
+            kept = secrets.token_hex(16) if keep else None
             try:
-                out = (await _call(manager, span, hidden, args, grad=None)).required("hidden")
+                out = (await _call(manager, span, hidden, args, grad=None, kept=kept)).required("hidden")
             except RemoteCallError as e:
                 retry.failed(span, e, tokens)
                 break  # re-route from the failed block on
             checked = await check_hop(manager, span, hidden, out, args) if verify else None
             if checked is None:
-                hops.append(Hop(span, hidden))
+                hops.append(Hop(span, hidden, kept))
             else:  # the hop's result lost a spot check: go on with (and later backpropagate through) the winners
                 out, winners = checked
                 hops.extend(winners)
@@ -194,7 +204,8 @@ async def run_backward_chain(
     reverse.
 
     When a hop's server fails, the forward of exactly that block range is re-run from the hop's saved input on a
-    new route, and the backward continues through the replacement hops: the gradients do not change.
+    new route, and the backward continues through the replacement hops: the gradients do not change. A hop whose
+    server kept its forward's graph runs its backward from it (the server recomputes the forward when it did not).
     """
     retry, pending = RetryBudget(manager), list(hops)
     grad_prompts = None if args.inputs.prompts is None else torch.zeros_like(args.inputs.prompts)
@@ -202,11 +213,11 @@ async def run_backward_chain(
     while pending:
         hop = pending.pop()
         try:
-            grads = await _call(manager, hop.span, hop.inputs, args, grad=grad)
+            grads = await _call(manager, hop.span, hop.inputs, args, grad=grad, kept=hop.kept)
         except RemoteCallError as e:
             retry.failed(hop.span, e, hop.inputs.shape[0] * hop.inputs.shape[1])
             _, replacement = await run_forward_chain(
-                manager, hop.inputs, hop.span.start, hop.span.end, args, retry, verify=False
+                manager, hop.inputs, hop.span.start, hop.span.end, args, retry, verify=False, keep=True
             )  # only its hops are used: their outputs are not checked
             pending.extend(replacement)
             continue

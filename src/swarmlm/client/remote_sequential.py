@@ -165,7 +165,9 @@ class RemoteSequential(nn.Module):
         if lora is not None and (lora.first, lora.end) != (self.start, self.end):
             raise ValueError(f"lora holds blocks {lora.first}:{lora.end}, not this slice's {self.start}:{self.end}")
         flat = None if lora is None else lora.flat
-        return _RemoteBlocks.apply(hidden, prompts, flat, self, attention_mask, position_ids, lora)
+        # a backward will follow: the servers keep their forward's graphs for it
+        keep = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, prompts, flat))
+        return _RemoteBlocks.apply(hidden, prompts, flat, self, attention_mask, position_ids, lora, keep)
 
     def _pieces(
         self,
@@ -184,18 +186,22 @@ class RemoteSequential(nn.Module):
             for begin, end in split_batch(hidden.shape[0], hidden.shape[1], max_tokens)
         ]
 
-    async def _forward(self, pieces: list[Piece]) -> tuple[torch.Tensor, list[Piece], list[list[Hop]]]:
+    async def _forward(
+        self, pieces: list[Piece], keep: bool = False
+    ) -> tuple[torch.Tensor, list[Piece], list[list[Hop]]]:
         """The output of all sub-batches, and the sub-batches as they ran (split further where servers refused
-        them as too large) with each one's hops."""
-        results = await gather_or_cancel(self._forward_piece(piece) for piece in pieces)
+        them as too large) with each one's hops; keep: the servers keep their graphs for the backward."""
+        results = await gather_or_cancel(self._forward_piece(piece, keep) for piece in pieces)
         done = [result for piece_results in results for result in piece_results]
         output = torch.cat([out for _, out, _ in done], dim=0)
         return output, [piece for piece, _, _ in done], [hops for _, _, hops in done]
 
-    async def _forward_piece(self, piece: Piece) -> list[tuple[Piece, torch.Tensor, list[Hop]]]:
+    async def _forward_piece(self, piece: Piece, keep: bool) -> list[tuple[Piece, torch.Tensor, list[Hop]]]:
         begin, end, args = piece
         try:
-            out, hops = await run_forward_chain(self.client.manager, args.inputs.hidden, self.start, self.end, args)
+            out, hops = await run_forward_chain(
+                self.client.manager, args.inputs.hidden, self.start, self.end, args, keep=keep
+            )
         except RerouteError as e:
             if e.kind != "too_large" or end - begin < 2:
                 raise
@@ -206,7 +212,7 @@ class RemoteSequential(nn.Module):
                 (begin, begin + middle, replace(args, inputs=args.inputs.select_rows(0, middle))),
                 (begin + middle, end, replace(args, inputs=args.inputs.select_rows(middle, end - begin))),
             ]
-            results = await gather_or_cancel(self._forward_piece(half) for half in halves)
+            results = await gather_or_cancel(self._forward_piece(half, keep) for half in halves)
             return [result for half_results in results for result in half_results]
         return [(piece, out, hops)]
 
@@ -243,11 +249,12 @@ class _RemoteBlocks(torch.autograd.Function):
         mask: torch.Tensor | None,
         positions: torch.Tensor | None,
         lora: LoraWeights | None,
+        keep: bool,  # the servers keep their graphs for the backward
     ) -> torch.Tensor:
         send_prompts = None if prompts is None else prompts.detach().cpu()
         send_lora = None if lora is None or lora_flat is None else lora.with_flat(lora_flat.detach().cpu())
         pieces = blocks._pieces(hidden.detach().cpu(), mask, positions, send_prompts, send_lora)
-        output, pieces, hops = blocks.client.run_traced("forward", blocks._forward(pieces))
+        output, pieces, hops = blocks.client.run_traced("forward", blocks._forward(pieces, keep))
         ctx.blocks, ctx.pieces, ctx.hops = blocks, pieces, hops
         ctx.hidden_meta = (hidden.dtype, hidden.device)
         ctx.prompts_meta = None if prompts is None else (prompts.dtype, prompts.device)
@@ -265,4 +272,4 @@ class _RemoteBlocks(torch.autograd.Function):
             grad_prompts = grad_prompts.to(ctx.prompts_meta[1], ctx.prompts_meta[0])
         if grad_lora is not None:
             grad_lora = grad_lora.to(ctx.lora_meta[1], ctx.lora_meta[0])
-        return grad_hidden, grad_prompts, grad_lora, None, None, None, None
+        return grad_hidden, grad_prompts, grad_lora, None, None, None, None, None

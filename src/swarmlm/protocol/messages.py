@@ -12,8 +12,10 @@ from swarmlm.protocol.lora import LoraSpec
 
 # Bumped on any incompatible change of a header, of the tensors that follow it, or of who closes a stream first
 # (5: the asker closes a one-reply stream once it has read the reply; net/transport.py; 6: replies name their tensors,
-# protocol.bundle.ReplyTensors).
-PROTOCOL_VERSION = 6
+# protocol.bundle.ReplyTensors; 7: a forward may ask the server to keep its graph for the backward, `keep`/`kept`).
+PROTOCOL_VERSION = 7
+# the id under which a server keeps a forward's graph for its backward: 64 to 128 random bits in hex, per sender
+KEEP_ID_PATTERN = r"^[0-9a-f]{16,32}$"
 # a LoRA adapter's name in requests and records (models/adapters.py names adapters by their folder)
 ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 
@@ -65,10 +67,14 @@ class ForwardRequest(_TensorsHeader):
     end_block: int = Field(ge=1)
     adapter: str | None = Field(default=None, pattern=ADAPTER_NAME_PATTERN)  # a LoRA adapter served here (None: none)
     lora: LoraSpec | None = None  # describes the "lora" tensor: the sender's own LoRA weights
+    # keep the forward's graph under this id for the sender's backward that follows (server/activations.py); the
+    # server may not (it says nothing either way): the backward then recomputes the forward
+    keep: str | None = Field(default=None, pattern=KEEP_ID_PATTERN)
 
 
 class BackwardRequest(ForwardRequest):
-    """Gradients of a span, recomputed from its inputs (the server keeps nothing between forward and backward).
+    """Gradients of a span: from the graph its forward kept (`kept`: the forward's `keep`) when the server still
+    holds it and it was made from exactly these inputs, else recomputed from the inputs.
 
     Tensors: as ForwardRequest, with grad_outputs (batch, seq, hidden). The reply carries the gradient wrt
     hidden_states, if prompts were sent, the gradient wrt the prompts, and if LoRA weights were sent, the gradient
@@ -80,6 +86,13 @@ class BackwardRequest(ForwardRequest):
     )  # fmt: skip
 
     kind: Literal["backward"] = "backward"  # type: ignore[assignment]
+    kept: str | None = Field(default=None, pattern=KEEP_ID_PATTERN)
+
+    @model_validator(mode="after")
+    def _keeps_nothing(self) -> BackwardRequest:
+        if self.keep is not None:
+            raise ValueError("a backward keeps no graph (keep is for forwards)")
+        return self
 
 
 # a session's id: 128 random bits in hex, known only to its client and the servers of its route (it addresses pushes)

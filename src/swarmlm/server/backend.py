@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import Generator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 
 import torch
 from transformers.cache_utils import DynamicCache
@@ -18,6 +19,7 @@ from swarmlm.models.registry import SLIDING_ATTENTION
 from swarmlm.models.span import SpanModel
 from swarmlm.protocol.bundle import ReplyTensors, SpanTensors
 from swarmlm.protocol.lora import LoraWeights
+from swarmlm.server.activations import ActivationCache
 from swarmlm.server.joining import JoinableRequest, join, split
 from swarmlm.server.pieces import BlockGraph, SpanCall, Spent, backward_block, forward_block, forward_block_graph
 from swarmlm.server.scheduler import BatchLimits, DecodeStep, Kind, Scheduler
@@ -26,15 +28,28 @@ from swarmlm.server.validation import SpanLimits
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Keeping:
+    """A forward's graph to keep for its backward, or a backward's kept graph to run from (server/activations.py):
+    the sender, its host and the id it chose."""
+
+    peer: str
+    host: str
+    key: str
+
+
 class SpanBackend:
     """Runs requests on a span off the event loop, in the scheduler's order: one at a time, except one-token
     decode steps of several sessions, which may run as one forward."""
 
     def __init__(
         self, span: SpanModel, dtype: torch.dtype, device: str, max_tokens: int,
-        batch_limits: BatchLimits | None = None,
+        batch_limits: BatchLimits | None = None, activations: ActivationCache | None = None,
     ):  # fmt: skip
         self.span, self.dtype, self.device = span, dtype, device
+        self.activations = (
+            ActivationCache(0) if activations is None else activations
+        )  # only the compute thread uses it
         config = span.config
         self.limits = SpanLimits(
             start=span.start,
@@ -53,21 +68,23 @@ class SpanBackend:
 
     async def run(
         self, start: int, end: int, inputs: SpanTensors, peer: str = "", adapter: str | None = None,
-        lora: LoraWeights | None = None,
+        lora: LoraWeights | None = None, keeping: Keeping | None = None,
     ) -> tuple[list[torch.Tensor], float]:  # fmt: skip
         """Forward: [hidden states after blocks [start, end)]; backward (inputs.grad_outputs given): [grad wrt
         hidden states, (grad wrt prompts), (grad wrt lora)]. Tensors come back in the sender's dtypes, with the
         compute time in ms. adapter: the LoRA adapter to apply (None: the base model); lora: the request's own LoRA
-        weights (validated: server.validation.check_lora)."""
+        weights (validated: server.validation.check_lora); keeping: a forward's graph to keep, or the kept graph a
+        backward may run from."""
         kind = Kind.FORWARD if inputs.grad_outputs is None else Kind.BACKWARD
         # a block at a time: the scheduler runs waiting inference steps between blocks of a long request
         # requests of other peers over the same blocks and of the same shape may run joined with this one
-        # (only without an adapter or own LoRA weights: those never share a computation)
-        alone = inputs.hypo_ids is not None or adapter is not None or lora is not None
+        # (only without an adapter, own LoRA weights or a graph to keep: those never share a computation)
+        alone = inputs.hypo_ids is not None or adapter is not None or lora is not None or keeping is not None
         joinable = None if alone else JoinableRequest(start, end, inputs, peer)
         result: tuple[list[torch.Tensor], float] = await self.scheduler.submit(
-            kind, peer, functools.partial(self._run_by_block, start, end, inputs, adapter, lora), join=joinable
-        )
+            kind, peer, functools.partial(self._run_by_block, start, end, inputs, adapter, lora, keeping),
+            join=joinable,
+        )  # fmt: skip
         return result
 
     def _run_joined(
@@ -94,14 +111,23 @@ class SpanBackend:
                 return result
 
     def _run_by_block(
-        self, start: int, end: int, inputs: SpanTensors, adapter: str | None, lora: LoraWeights | None = None
+        self,
+        start: int,
+        end: int,
+        inputs: SpanTensors,
+        adapter: str | None,
+        lora: LoraWeights | None = None,
+        keeping: Keeping | None = None,
     ) -> Generator[None, int | None, tuple[list[torch.Tensor], float]]:
         """The one computation of a span, in pieces (server.pieces: a block, or a chunk of a block's tokens, at a
         time, of the sizes the scheduler sends): its forward, then, when grad_outputs are given, the backward block
         by block in reverse (each block's graph is cut from the next one's, so a block's input gradient is exactly
         what autograd through the whole span gives). Returns the results in the sender's dtypes and the compute
         time in ms. No grad mode is held across a yield: other work runs in between, and the request's own LoRA
-        weights are hooked into a block only while it runs (models/lora.py)."""
+        weights are hooked into a block only while it runs (models/lora.py).
+
+        With keeping, a forward keeps its graphs in the activation cache, and a backward runs from the graphs its
+        forward kept when they are still there and of exactly these inputs (else it recomputes the forward)."""
         backward = inputs.grad_outputs is not None
         spent = Spent()
         mask = None if inputs.attention_mask is None else inputs.attention_mask.to(self.device)
@@ -110,16 +136,25 @@ class SpanBackend:
         hidden = inputs.hidden.to(self.device, self.dtype)
         prompts = None if inputs.prompts is None else inputs.prompts.to(self.device, self.dtype)
         lora = None if lora is None else lora.with_flat(lora.flat.to(self.device))
-        graphs: list[BlockGraph] = []
-        for block in range(start, end):
+        cache, forward_inputs = self.activations, replace(inputs, grad_outputs=None)
+        kept = None
+        if backward and keeping is not None:
+            kept = cache.take(keeping.peer, keeping.key, start, end, adapter, forward_inputs)
+            how = "runs from its kept forward" if kept else "recomputes its forward (its graph is not kept here)"
+            logger.info("backward blocks=%d:%d peer=...%s %s; %d graphs kept, %.0f MB", start, end,
+                        keeping.peer[-6:], how, len(cache), cache.nbytes / 1e6)  # fmt: skip
+        graphs: list[BlockGraph] = kept or []
+        for block in range(start, end) if kept is None else ():
             prompt = None if prompts is None else prompts[block - start : block - start + 1]
             block_lora = None if lora is None else lora.blocks(block, block + 1)
-            if backward:
+            if backward or keeping is not None:
                 hidden, graph = yield from forward_block_graph(call, block, hidden, prompt, block_lora, spent)
                 graphs.append(graph)
             else:
                 hidden = yield from forward_block(call, block, hidden, prompt, block_lora, spent)
         if inputs.grad_outputs is None:
+            if keeping is not None:
+                cache.put(keeping.peer, keeping.key, keeping.host, start, end, adapter, forward_inputs, graphs)
             return [hidden.to("cpu", inputs.hidden.dtype)], spent.seconds * 1000
         grad = inputs.grad_outputs.to(self.device, self.dtype)
         prompt_grads: list[torch.Tensor] = []

@@ -23,7 +23,7 @@ from swarmlm.protocol.messages import (
     ReplyHeader,
     ServerInfo,
 )
-from swarmlm.server.backend import SpanBackend, named_results
+from swarmlm.server.backend import Keeping, SpanBackend, named_results
 from swarmlm.server.inference import InferenceSessions
 from swarmlm.server.peers import refusal, short, where
 from swarmlm.server.validation import check_lora, check_span_request, max_message_bytes
@@ -109,10 +109,12 @@ class SpanHandler:
             lora = check_lora(
                 header.lora, inputs.lora, header.start_block, header.end_block, self.backend.limits, header.adapter
             )
+            key = header.kept if isinstance(header, BackwardRequest) else header.keep
+            keeping = None if key is None else Keeping(peer_id, self.inference.ledger.host(peer_id), key)
             self.in_flight += 1
             try:
                 outputs, compute_ms = await self.backend.run(
-                    header.start_block, header.end_block, inputs, peer, header.adapter, lora
+                    header.start_block, header.end_block, inputs, peer_id, header.adapter, lora, keeping
                 )
             finally:
                 self.in_flight -= 1

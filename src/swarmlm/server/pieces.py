@@ -85,6 +85,21 @@ class BlockGraph:
     prompt: torch.Tensor | None  # leaf: the block's deep prompt, (1, prefix, hidden)
     lora: LoraWeights | None  # the block's LoRA weights, their flat tensor a leaf
     chunks: list[Chunk] = field(default_factory=list)
+    storages: dict[int, int] = field(default_factory=dict)  # what the graph holds: storage address -> bytes
+
+    @property
+    def nbytes(self) -> int:
+        """Memory the graph holds: the activations autograd saved for the backward and the outputs (each storage
+        once; not the frozen weights)."""
+        return sum(self.storages.values())
+
+    def hold(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Count a tensor the graph holds (a saved-tensor hook: returns it unchanged). Frozen weights, which
+        neither require grad nor come from a computation that does, are not the graph's."""
+        if tensor.requires_grad or tensor.grad_fn is not None:
+            storage = tensor.untyped_storage()
+            self.storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
 
 
 def chunk_stop(begin: int, seq: int, rows: int, budget: int | None) -> int:
@@ -128,14 +143,19 @@ def forward_block_graph(
     while begin < seq or not graph.chunks:
         budget = yield
         stop = chunk_stop(begin, seq, rows, budget)
-        with spent, torch.enable_grad():
+        with spent, torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(graph.hold, _unpacked):
             chunk, past = _graph_chunk(call, block, hidden, begin, stop, past, graph)
+        graph.hold(chunk.output)
         graph.chunks.append(chunk)
         begin = stop
     if len(graph.chunks) == 1:
         return graph.chunks[0].output.detach(), graph
     with torch.no_grad():
         return torch.cat([chunk.output for chunk in graph.chunks], dim=1), graph
+
+
+def _unpacked(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 def _graph_chunk(

@@ -29,6 +29,7 @@ from swarmlm.net import transport
 from swarmlm.net.transport import Gate, StreamLimits
 from swarmlm.protocol.messages import ServerInfo
 from swarmlm.server import lifecycle
+from swarmlm.server.activations import ActivationCache
 from swarmlm.server.backend import SpanBackend
 from swarmlm.server.cache import CacheBudget, default_cache_tokens
 from swarmlm.server.handler import SpanHandler
@@ -159,7 +160,8 @@ class Server:
         stages = max(1, round(self.num_blocks_total / (end - start)))  # a chain of spans like this one
         later = max(0, round((self.num_blocks_total - end) / (end - start)))  # of them, after this one
         limits = BatchLimits(decode_wait_s=cfg.decode_wait_s, stages=stages, later_stages=later)
-        backend = SpanBackend(span, self.dtype, cfg.device, cfg.max_tokens_per_request, limits)
+        activations = ActivationCache(int(cfg.activation_cache_mb * 1e6), host_share=cfg.host_share)
+        backend = SpanBackend(span, self.dtype, cfg.device, cfg.max_tokens_per_request, limits, activations)
         self.throughput = backend.measure_throughput()
         self.inference_throughput = backend.measure_inference_throughput()
         self.backend, self.start, self.end = backend, start, end
