@@ -1,5 +1,7 @@
 """Benchmark: deep prompt tuning steps/s (forward + backward, batch 4x64) through a 2-server loopback swarm against
-the same computation in one local process (same weights, fp32)."""
+the same computation in one local process (same weights, fp32): once with servers that keep each forward's graph for
+its backward (the default) and once with servers that keep none (--activation-cache-mb 0: the backward recomputes
+the forward), back to back."""
 
 from __future__ import annotations
 
@@ -77,18 +79,23 @@ def main() -> None:
     local = LocalDeepPtune(reference, tuning)
     local_rate, local_loss = steps_per_s(lambda: local(ids, ids), list(tuning.parameters()), args.repeats)
 
-    with LocalSwarm(str(model_dir)) as swarm:
-        swarm.start_servers(even_spans(config.num_hidden_layers, 2))
-        torch.manual_seed(0)
-        with AutoDistributedModelForCausalLM.from_pretrained(
-            str(model_dir), initial_peers=swarm.initial_peers, tuning_mode="deep_ptune", pre_seq_len=PRE_SEQ_LEN
-        ) as model:
-            params = [p for p in model.parameters() if p.requires_grad]
-            swarm_rate, swarm_loss = steps_per_s(lambda: model(input_ids=ids, labels=ids).loss, params, args.repeats)
-    if abs(swarm_loss - local_loss) > 1e-4:
-        raise SystemExit(f"first loss differs: swarm {swarm_loss:.6f}, local {local_loss:.6f}")
-    print(f"\n{'metric':<34}{'local':>10}{'swarm':>10}{'ratio (swarm/local)':>22}")
-    print(f"{'train steps/s (fwd+bwd)':<34}{local_rate:>10.3f}{swarm_rate:>10.3f}{swarm_rate / local_rate:>22.2f}")
+    rates = {}
+    for label, cache_mb in (("graphs kept", None), ("recomputed", "0")):
+        extra = () if cache_mb is None else ("--activation-cache-mb", cache_mb)
+        with LocalSwarm(str(model_dir), extra_args=extra) as swarm:
+            swarm.start_servers(even_spans(config.num_hidden_layers, 2))
+            torch.manual_seed(0)
+            with AutoDistributedModelForCausalLM.from_pretrained(
+                str(model_dir), initial_peers=swarm.initial_peers, tuning_mode="deep_ptune", pre_seq_len=PRE_SEQ_LEN
+            ) as model:
+                params = [p for p in model.parameters() if p.requires_grad]
+                rate, loss = steps_per_s(lambda: model(input_ids=ids, labels=ids).loss, params, args.repeats)
+        if abs(loss - local_loss) > 1e-4:
+            raise SystemExit(f"first loss differs ({label}): swarm {loss:.6f}, local {local_loss:.6f}")
+        rates[label] = rate
+    print(f"\n{'train steps/s (fwd+bwd)':<34}{'local':>10}{'swarm':>10}{'ratio (swarm/local)':>22}")
+    for label, rate in rates.items():
+        print(f"{'swarm, ' + label:<34}{local_rate:>10.3f}{rate:>10.3f}{rate / local_rate:>22.2f}")
 
 
 if __name__ == "__main__":

@@ -149,3 +149,17 @@ def test_malformed_keep_ids_are_refused_as_bad_requests(kind, fields) -> None:
     valid = {name: value for name, value in data.items() if name not in fields}
     valid.update({name: KEY for name in fields if not (name == "keep" and kind is BackwardRequest)})
     parse_header(valid, kind)  # the same request with a well-formed id (or, in a backward, none to keep) is fine
+
+
+def test_a_server_that_keeps_nothing_runs_a_keeping_forward_as_a_plain_one(span) -> None:
+    backend = SpanBackend(span, torch.float32, "cpu", 8192, activations=ActivationCache(0))  # --activation-cache-mb 0
+    inputs, lora = request(span, backward=True)
+    (output,), pieces = run(backend, replace(inputs, grad_outputs=None), lora, Keeping("a", "h", KEY))
+    (plain,), plain_pieces = run(backend, replace(inputs, grad_outputs=None), lora, None)
+    assert torch.equal(output, plain) and pieces == plain_pieces
+    assert len(backend.activations) == 0 and backend.activations.refused == 0  # no graph was even built
+    expected, _ = run(backend, inputs, lora, None)
+    results, _ = run(backend, inputs, lora, Keeping("a", "h", KEY))  # its backward recomputes
+    for result, reference in zip(results, expected, strict=True):
+        assert torch.equal(result, reference)
+    backend.shutdown()

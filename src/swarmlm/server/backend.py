@@ -137,6 +137,8 @@ class SpanBackend:
         prompts = None if inputs.prompts is None else inputs.prompts.to(self.device, self.dtype)
         lora = None if lora is None else lora.with_flat(lora.flat.to(self.device))
         cache, forward_inputs = self.activations, replace(inputs, grad_outputs=None)
+        if keeping is not None and not backward and cache.budget == 0:
+            keeping = None  # nothing would be kept: the forward need not build a graph
         kept = None
         if backward and keeping is not None:
             kept = cache.take(keeping.peer, keeping.key, start, end, adapter, forward_inputs)
