@@ -1,5 +1,6 @@
 """`swarmlm simulate` end to end: the command writes its report, Markdown and plots, and the same seed gives a
-byte-identical report.json (the runs are reproducible, whatever the process's hash seed)."""
+byte-identical report.json (the runs are reproducible, whatever the process's hash seed and however many worker
+processes run them)."""
 
 from __future__ import annotations
 
@@ -21,19 +22,19 @@ from tests.conftest import connected_model, running_swarm
 
 SWARMLM = [sys.executable, "-m", "swarmlm.cli.main"]
 # a small swarm over a few hours, with its outage, under all three placement rules: seconds of CPU
-ARGS = ["simulate", "--servers", "40", "--clients", "150", "--hours", "2", "--outage-hour", "1", "--compare"]
+ARGS = ["simulate", "--servers", "40", "--clients", "150", "--hours", "2", "--outage-hour", "1"]
 
 
-def simulate(out: Path, hash_seed: str, seed: str = "0") -> subprocess.CompletedProcess:
+def simulate(out: Path, hash_seed: str, seed: str = "0", jobs: str = "3") -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONHASHSEED": hash_seed}
-    return subprocess.run([*SWARMLM, *ARGS, "--seed", seed, "--out", str(out)], capture_output=True, text=True,
-                          timeout=300, env=env)  # fmt: skip
+    return subprocess.run([*SWARMLM, *ARGS, "--seed", seed, "--jobs", jobs, "--out", str(out)], capture_output=True,
+                          text=True, timeout=300, env=env)  # fmt: skip
 
 
 def test_simulate_writes_a_reproducible_report_with_all_three_rules_and_plots(tmp_path: Path) -> None:
-    first = simulate(tmp_path / "a", hash_seed="1")
+    first = simulate(tmp_path / "a", hash_seed="1")  # the three rules in three worker processes
     assert first.returncode == 0, first.stderr[-3000:]
-    second = simulate(tmp_path / "b", hash_seed="2")
+    second = simulate(tmp_path / "b", hash_seed="2", jobs="1")  # one after another in the command's process
     assert second.returncode == 0, second.stderr[-3000:]
     report = (tmp_path / "a" / "report.json").read_bytes()
     assert report == (tmp_path / "b" / "report.json").read_bytes()
@@ -47,7 +48,7 @@ def test_simulate_writes_a_reproducible_report_with_all_three_rules_and_plots(tm
     names = {p.name for p in (tmp_path / "a").iterdir()}
     assert {"report.json", "report.md", "throughput.png", "latency.png", "coverage_swarmlm.png"} <= names
     assert "| mean decode rate, tokens/s |" in (tmp_path / "a" / "report.md").read_text()
-    other = simulate(tmp_path / "c", hash_seed="1", seed="1")
+    other = simulate(tmp_path / "c", hash_seed="1", seed="1", jobs="1")
     assert other.returncode == 0, other.stderr[-3000:]
     assert (tmp_path / "c" / "report.json").read_bytes() != report
 

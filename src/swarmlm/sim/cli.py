@@ -4,13 +4,22 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import multiprocessing
+import os
+import queue
 import time
+from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from swarmlm.checks import COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_INT, PROBABILITY
 from swarmlm.cli.args import integer, number
 from swarmlm.errors import SwarmError
 from swarmlm.sim.scenario import PLACEMENTS, Scenario
+
+if TYPE_CHECKING:
+    from swarmlm.sim.metrics import Metrics
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -30,8 +39,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     sim.add_argument(
         "--compare",
-        action="store_true",
-        help="also run the same scenario under the two other placement rules, side by side",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also run the same scenario under the two other placement rules, side by side (default: yes)",
+    )
+    sim.add_argument(
+        "--jobs",
+        type=integer(POSITIVE_INT),
+        default=None,
+        help="runs at once, one process each (default: one per core, at most one per rule); results do not depend "
+        "on it",
     )
     sim.add_argument(
         "--outage-hour",
@@ -71,32 +88,68 @@ def _out_dir(path: str) -> Path:
     return out
 
 
-def run(args: argparse.Namespace) -> None:
+# what a run in a worker process reports its progress through (set by _start_worker)
+_progress: Any = None
+
+
+def _start_worker(progress: Any) -> None:
+    global _progress
+    _progress = progress
+
+
+def _run_in_worker(scenario: Scenario) -> Metrics:
+    from swarmlm.sim.simulation import Simulation
+
+    return Simulation(scenario).run(lambda t: _progress.put((scenario.placement, t)))
+
+
+def _run_all(scenarios: list[Scenario], jobs: int, hours: float) -> dict[str, Metrics]:
+    """Each scenario's run (under its placement's name), `jobs` at once in processes of their own (one: here), with
+    one progress bar over all of them."""
     from tqdm import tqdm
 
+    from swarmlm.sim.simulation import Simulation
+
+    with tqdm(total=round(hours * len(scenarios), 3), unit="h", desc="simulating", ncols=100) as bar:
+        done = dict.fromkeys((s.placement for s in scenarios), 0.0)
+
+        def advance(name: str, t: float) -> None:
+            bar.update(round(t / 3600 - done[name], 3))
+            done[name] = t / 3600
+
+        if jobs == 1:
+            runs = {}
+            for scenario in scenarios:
+                bar.set_postfix_str(scenario.placement)
+                runs[scenario.placement] = Simulation(scenario).run(functools.partial(advance, scenario.placement))
+            return runs
+        context = multiprocessing.get_context("spawn")  # no state of this process (threads, torch) is inherited
+        progress = context.Queue()
+        with ProcessPoolExecutor(jobs, mp_context=context, initializer=_start_worker, initargs=(progress,)) as pool:
+            futures: dict[str, Future[Metrics]] = {s.placement: pool.submit(_run_in_worker, s) for s in scenarios}
+            while not all(future.done() for future in futures.values()) or not progress.empty():
+                try:
+                    advance(*progress.get(timeout=0.2))
+                except queue.Empty:
+                    continue
+            return {name: future.result() for name, future in futures.items()}
+
+
+def run(args: argparse.Namespace) -> None:
     from swarmlm.sim import plots
     from swarmlm.sim.report import dumps, markdown, report
-    from swarmlm.sim.simulation import Simulation
 
     out = _out_dir(args.out)
     base = scenario_of(args)
     names = [args.placement] + ([p for p in PLACEMENTS if p != args.placement] if args.compare else [])
-    runs = {}
+    jobs = min(len(names), args.jobs or os.cpu_count() or 1)
     began, cpu = time.monotonic(), time.process_time()
-    with tqdm(total=round(args.hours * len(names), 3), unit="h", desc="simulating", ncols=100) as bar:
-        for name in names:
-            bar.set_postfix_str(name)
-            done = [0.0]
-
-            def advance(t: float, done: list[float] = done) -> None:
-                bar.update(round(t / 3600 - done[0], 3))
-                done[0] = t / 3600
-
-            runs[name] = Simulation(dataclasses.replace(base, placement=name)).run(advance)
+    runs = _run_all([dataclasses.replace(base, placement=name) for name in names], jobs, args.hours)
     data = report(base, runs)
     (out / "report.json").write_text(dumps(data))
     (out / "report.md").write_text(markdown(data))
     plots.draw_all(base, runs, out)
     print(markdown(data))
+    workers = "" if jobs == 1 else f" in this process; the runs took more in {jobs} worker processes"
     print(f"Wrote {out}/report.json, report.md and plots in {time.monotonic() - began:.0f} s "
-          f"({time.process_time() - cpu:.0f} s of CPU)")  # fmt: skip
+          f"({time.process_time() - cpu:.0f} s of CPU{workers})")  # fmt: skip
