@@ -78,11 +78,18 @@ def main() -> None:
     parser.add_argument("--event-interval", type=float, default=30.0, help="seconds between churn events")
     parser.add_argument("--sample-interval", type=float, default=5.0, help="seconds between RSS/descriptor samples")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--anchors",
+        type=int,
+        default=1,
+        help="the first servers started never crash or drain, so their samples span the whole run",
+    )
     parser.add_argument("--out", type=Path, default=Path("."), help="folder for soak.csv and soak.png")
     args = parser.parse_args()
     if args.minutes <= 0 or args.clients < 1 or args.event_interval <= 0 or args.sample_interval <= 0:
         parser.error("--minutes, --event-interval and --sample-interval must be positive, --clients at least 1")
-    plan = SoakPlan(args.minutes, args.clients, args.event_interval, args.sample_interval, seed=args.seed)
+    plan = SoakPlan(args.minutes, args.clients, args.event_interval, args.sample_interval, seed=args.seed,
+                    anchors=args.anchors)  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="swarmlm-soak-") as scratch:
         model_dir = model_folder(args.model, Path(scratch))
         print(f"model {args.model}: {plan}", flush=True)

@@ -163,3 +163,24 @@ def test_a_server_that_keeps_nothing_runs_a_keeping_forward_as_a_plain_one(span)
     for result, reference in zip(results, expected, strict=True):
         assert torch.equal(result, reference)
     backend.shutdown()
+
+
+def test_a_graph_larger_than_a_hosts_share_is_not_built_in_full_and_smaller_ones_still_are(span) -> None:
+    inputs, lora = request(span, backward=False)
+    probe = SpanBackend(span, torch.float32, "cpu", 8192, activations=ActivationCache(1 << 30))
+    run(probe, inputs, lora, Keeping("a", "h", KEY))
+    whole = probe.activations.nbytes  # this request's graphs over its 4 blocks
+    # a host may keep about 2.5 blocks' worth: the graph is dropped after the third block, nothing is kept
+    backend = SpanBackend(span, torch.float32, "cpu", 8192, activations=ActivationCache(int(whole * 1.25)))
+    (output,), _ = run(backend, inputs, lora, Keeping("a", "h", KEY))
+    (plain,), _ = run(backend, inputs, lora, None)
+    assert torch.equal(output, plain)
+    assert len(backend.activations) == 0 and backend.activations.refused == 0  # dropped while running, never offered
+    # a request of a quarter the tokens fits (the size learned from the last graph says so) and is kept
+    small = inputs.select_rows(0, 1)
+    small = replace(small, hidden=small.hidden[:, : small.hidden.shape[1] // 2])
+    small = replace(small, attention_mask=None, position_ids=None)
+    run(backend, small, lora, Keeping("a", "h", KEY))
+    assert len(backend.activations) == 1
+    probe.shutdown()
+    backend.shutdown()

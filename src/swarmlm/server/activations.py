@@ -81,6 +81,11 @@ class ActivationCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    @property
+    def cap(self) -> int:
+        """The most bytes of graphs one forward may keep: a host's share of the budget."""
+        return int(self.budget * self.host_share)
+
     def host_bytes(self, host: str) -> int:
         return sum(kept.nbytes for kept in self._entries.values() if kept.host == host)
 
@@ -93,7 +98,7 @@ class ActivationCache:
         self._expire()
         self._drop(KeptKey(peer, key))
         nbytes = sum(graph.nbytes for graph in graphs)
-        host_cap = int(self.budget * self.host_share)
+        host_cap = self.cap
         if nbytes > host_cap:
             self.refused += 1
             return False

@@ -47,9 +47,10 @@ class SpanBackend:
         batch_limits: BatchLimits | None = None, activations: ActivationCache | None = None,
     ):  # fmt: skip
         self.span, self.dtype, self.device = span, dtype, device
-        self.activations = (
-            ActivationCache(0) if activations is None else activations
-        )  # only the compute thread uses it
+        # the graphs of forwards kept for their backwards; only the compute thread uses it
+        self.activations = ActivationCache(0) if activations is None else activations
+        # bytes a block's graph held per token, as last measured (before any: none, so a first forward may keep)
+        self._graph_bytes_per_token = 0.0
         config = span.config
         self.limits = SpanLimits(
             start=span.start,
@@ -137,8 +138,9 @@ class SpanBackend:
         prompts = None if inputs.prompts is None else inputs.prompts.to(self.device, self.dtype)
         lora = None if lora is None else lora.with_flat(lora.flat.to(self.device))
         cache, forward_inputs = self.activations, replace(inputs, grad_outputs=None)
-        if keeping is not None and not backward and cache.budget == 0:
-            keeping = None  # nothing would be kept: the forward need not build a graph
+        tokens = hidden.shape[0] * hidden.shape[1]
+        if keeping is not None and not backward and tokens * (end - start) * self._graph_bytes_per_token >= cache.cap:
+            keeping = None  # its graph would not be kept (as the graphs so far measured): no need to build it
         kept = None
         if backward and keeping is not None:
             kept = cache.take(keeping.peer, keeping.key, start, end, adapter, forward_inputs)
@@ -152,6 +154,9 @@ class SpanBackend:
             if backward or keeping is not None:
                 hidden, graph = yield from forward_block_graph(call, block, hidden, prompt, block_lora, spent)
                 graphs.append(graph)
+                self._graph_bytes_per_token = graph.nbytes / max(1, tokens)
+                if not backward and sum(g.nbytes for g in graphs) > cache.cap:
+                    keeping, graphs = None, []  # larger than it may keep: the other blocks run without a graph
             else:
                 hidden = yield from forward_block(call, block, hidden, prompt, block_lora, spent)
         if inputs.grad_outputs is None:
