@@ -7,8 +7,9 @@ peers, of which the peers of one host may hold `host_share`; a graph that does n
 (of its own host first, when that host is over its share), and a graph not taken within `ttl_s` is dropped. A
 graph larger than its host's share is not kept.
 
-Only the span's compute thread touches the cache (the backend puts and takes within a computation's pieces), so it
-needs no lock.
+Only the span's compute thread changes the cache (the backend puts and takes within a computation's pieces), so it
+needs no lock; the event loop only asks whether a graph is held (a dict lookup), to let a backward without one join
+others.
 """
 
 from __future__ import annotations
@@ -85,6 +86,10 @@ class ActivationCache:
     def cap(self) -> int:
         """The most bytes of graphs one forward may keep: a host's share of the budget."""
         return int(self.budget * self.host_share)
+
+    def holds(self, peer: str, key: str) -> bool:
+        """Whether `peer`'s graph `key` is kept now (it may still be dropped before a take)."""
+        return KeptKey(peer, key) in self._entries
 
     def host_bytes(self, host: str) -> int:
         return sum(kept.nbytes for kept in self._entries.values() if kept.host == host)

@@ -79,8 +79,12 @@ class SpanBackend:
         kind = Kind.FORWARD if inputs.grad_outputs is None else Kind.BACKWARD
         # a block at a time: the scheduler runs waiting inference steps between blocks of a long request
         # requests of other peers over the same blocks and of the same shape may run joined with this one
-        # (only without an adapter, own LoRA weights or a graph to keep: those never share a computation)
-        alone = inputs.hypo_ids is not None or adapter is not None or lora is not None or keeping is not None
+        # (only without an adapter or own LoRA weights: those never share a computation). A forward that asks to
+        # keep its graph keeps it only when it runs alone; a backward runs alone only from a graph still kept here
+        if keeping is not None and kind is Kind.BACKWARD and not self.activations.holds(keeping.peer, keeping.key):
+            keeping = None  # its forward ran joined, or the graph is gone: recomputed, so it may join others
+        from_graph = keeping is not None and kind is Kind.BACKWARD
+        alone = inputs.hypo_ids is not None or adapter is not None or lora is not None or from_graph
         joinable = None if alone else JoinableRequest(start, end, inputs, peer)
         result: tuple[list[torch.Tensor], float] = await self.scheduler.submit(
             kind, peer, functools.partial(self._run_by_block, start, end, inputs, adapter, lora, keeping),
