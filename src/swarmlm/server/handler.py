@@ -114,7 +114,7 @@ class SpanHandler:
             self.in_flight += 1
             try:
                 outputs, compute_ms = await self.backend.run(
-                    header.start_block, header.end_block, inputs, peer_id, header.adapter, lora, keeping
+                    header.start_block, header.end_block, inputs, peer, header.adapter, lora, keeping
                 )
             finally:
                 self.in_flight -= 1
