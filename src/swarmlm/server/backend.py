@@ -152,14 +152,17 @@ class SpanBackend:
             logger.info("backward blocks=%d:%d peer=...%s %s; %d graphs kept, %.0f MB", start, end,
                         keeping.peer[-6:], how, len(cache), cache.nbytes / 1e6)  # fmt: skip
         graphs: list[BlockGraph] = kept or []
+        graphs_bytes = 0  # what the graphs built so far hold
         for block in range(start, end) if kept is None else ():
             prompt = None if prompts is None else prompts[block - start : block - start + 1]
             block_lora = None if lora is None else lora.blocks(block, block + 1)
             if backward or keeping is not None:
                 hidden, graph = yield from forward_block_graph(call, block, hidden, prompt, block_lora, spent)
                 graphs.append(graph)
-                self._graph_bytes_per_token = graph.nbytes / max(1, tokens)
-                if not backward and sum(g.nbytes for g in graphs) > cache.cap:
+                nbytes = graph.nbytes
+                graphs_bytes += nbytes
+                self._graph_bytes_per_token = nbytes / max(1, tokens)
+                if not backward and graphs_bytes > cache.cap:
                     keeping, graphs = None, []  # larger than it may keep: the other blocks run without a graph
             else:
                 hidden = yield from forward_block(call, block, hidden, prompt, block_lora, spent)
