@@ -109,9 +109,12 @@ class Server:
         self.total_memory_bytes = (
             int(config.total_memory_mb * 1e6) if config.total_memory_mb else MEMORY_PEERS * self.peer_memory_bytes
         )
+        # forward graphs kept for their backwards (server/activations.py), on the compute device like the KV cache
+        self.activation_cache_bytes = int(config.activation_cache_mb * 1e6)
         cache_tokens = config.cache_tokens or default_cache_tokens(
-            model_config, self.end - self.start, self.dtype, config.device, reserved_bytes=self.total_memory_bytes
-        )
+            model_config, self.end - self.start, self.dtype, config.device,
+            reserved_bytes=self.total_memory_bytes + self.activation_cache_bytes,
+        )  # fmt: skip
         # the KV-cache budget in block-tokens (a token's keys and values at one block): room for cache_tokens tokens
         # at every block of the span; a session reserves its tokens at each block it uses, no more
         self.cache_block_tokens = cache_tokens * (self.end - self.start)
@@ -160,7 +163,7 @@ class Server:
         stages = max(1, round(self.num_blocks_total / (end - start)))  # a chain of spans like this one
         later = max(0, round((self.num_blocks_total - end) / (end - start)))  # of them, after this one
         limits = BatchLimits(decode_wait_s=cfg.decode_wait_s, stages=stages, later_stages=later)
-        activations = ActivationCache(int(cfg.activation_cache_mb * 1e6), host_share=cfg.host_share)
+        activations = ActivationCache(self.activation_cache_bytes, host_share=cfg.host_share)
         backend = SpanBackend(span, self.dtype, cfg.device, cfg.max_tokens_per_request, limits, activations)
         self.throughput = backend.measure_throughput()
         self.inference_throughput = backend.measure_inference_throughput()
