@@ -304,6 +304,19 @@ def check_gradients(model: torch.nn.Module, reference: Reference, tol: Tolerance
     assert error <= tol.grad_rtol * scale + 1e-7, f"gradients differ by {error / scale:.2e} of the largest"
 
 
+def check_backward_from_kept(logs: list[tuple[Path, int]]) -> None:
+    """The training step's backward ran from the graphs its forward kept on the servers (server/activations.py),
+    with no forward recomputed: keeping works under the pair's options. logs: each server's log and its size
+    before the step."""
+    written = ""
+    for path, size in logs:
+        with path.open(errors="replace") as log:
+            log.seek(size)
+            written += log.read()
+    assert "runs from its kept forward" in written, written[-3000:]
+    assert "recomputes its forward" not in written, written[-3000:]
+
+
 def _eos_masked(logits: torch.Tensor) -> torch.Tensor:
     """Logits as generate() sees them under min_new_tokens: the end of sequence ruled out."""
     logits = logits.clone()
@@ -385,7 +398,9 @@ def test_a_pair_of_options_equals_the_local_equivalent(
         reference = Reference(reference_net(pair, tiny_model_dir, adapter_dir), randomized(model))
         tol = check_forward(model, reference, pair)
         if model.prompt_tuning is not None or model.lora_tuning is not None:
+            logs = [(server.log_path, server.log_path.stat().st_size) for server in swarm.servers]
             check_gradients(model, reference, tol)
+            check_backward_from_kept(logs)
         check_generation(model, reference, pair, tol)
 
 
