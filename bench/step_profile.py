@@ -78,8 +78,16 @@ def _helpers(process: psutil.Process, named: set[int]) -> list[psutil.Process]:
     return found
 
 
-def start_sampling(pid: int, out: Path) -> subprocess.Popen:
-    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+def py_spy() -> str:
+    """The py-spy command (on PATH or beside this Python), or exit saying how to get it."""
+    beside = Path(sys.executable).parent / "py-spy"
+    found = shutil.which("py-spy") or (str(beside) if beside.exists() else None)
+    if found is None:
+        raise SystemExit("this profile needs py-spy: pip install py-spy")
+    return found
+
+
+def start_sampling(spy: str, pid: int, out: Path) -> subprocess.Popen:
     return subprocess.Popen(
         [spy, "record", "--pid", str(pid), "--rate", str(SAMPLE_RATE), "--format", "raw", "--nonblocking",
          "--output", str(out)],
@@ -136,6 +144,7 @@ def main() -> None:
     args = parser.parse_args()
     if os.geteuid() != 0 and Path("/proc/sys/kernel/yama/ptrace_scope").read_text().strip() != "0":
         raise SystemExit("py-spy needs to trace other processes: run as root or set kernel.yama.ptrace_scope=0")
+    spy = py_spy()
     model_dir = resolve_model(args.model)
     config = load_config(model_dir)
     ids = load_tokenizer(model_dir)(PROMPT, return_tensors="pt")["input_ids"]
@@ -158,14 +167,14 @@ def main() -> None:
         ) as model, torch.inference_mode():  # fmt: skip
             model.generate(ids, **generate)  # warm-up: routes, connections, the servers' first steps
             pids = {"client": os.getpid(), **{f"server {s.start}:{s.end}": s.process.pid for s in servers}}
-            spies = {name: start_sampling(pid, Path(scratch) / f"{pid}.txt") for name, pid in pids.items()}
+            spies = {name: start_sampling(spy, pid, Path(scratch) / f"{pid}.txt") for name, pid in pids.items()}
             time.sleep(1.0)  # py-spy attaches
             before, began = cpu_seconds(pids), time.perf_counter()
             for _ in range(args.rounds):
                 model.generate(ids, **generate)
             wall_s = time.perf_counter() - began
-            for spy in spies.values():  # before reading the CPU times: that reading is not the run's
-                stop_sampling(spy)
+            for sampling in spies.values():  # before reading the CPU times: that reading is not the run's
+                stop_sampling(sampling)
             after = cpu_seconds(pids)
         tokens = args.rounds * args.new_tokens
         swarm_ms = wall_s * 1000 / tokens
