@@ -21,6 +21,7 @@ from pathlib import Path
 
 import psutil
 import torch
+from targets import line as target_line
 from transformers import AutoModelForCausalLM
 
 from swarmlm.client.model import AutoDistributedModelForCausalLM
@@ -292,6 +293,8 @@ def print_users(run: UsersRun, new_tokens: int) -> None:
           + f"; {many} users vs the local batch: "
           + ", ".join(f"{r / local[2]:.2f}" for r, local in zip(run.rates[many], run.local, strict=True))
           + ")")  # fmt: skip
+    if many == 8:
+        print(target_line("batched", statistics.median(run.rates[many]) / batched))
     print("time to first token, ms, median / slowest user over the rounds (all prompts sent at once): "
           + ", ".join(f"{n} user(s) {statistics.median(run.firsts[n]) * 1000:.0f} / {max(run.firsts[n]) * 1000:.0f}"
                       for n in counts))  # fmt: skip
@@ -316,6 +319,8 @@ def print_interference(result: Interference, train_tokens: int) -> None:
           f"{alone * 1000:.0f} ms alone, {loaded * 1000:.0f} ms while another client runs {train_tokens}-token "
           f"forward/backward passes: ratio {loaded / alone:.2f} (generations: "
           + ", ".join(f"{g * 1000:.0f}" for g in result.loaded) + " ms)")  # fmt: skip
+    if train_tokens == 2048:
+        print(target_line("interference", loaded / alone))
     print(f"the trainer's pass: {result.idle_pass_s:.1f} s with nobody decoding, {busy:.1f} s while the user decodes "
           f"({len(result.busy_passes_s)} passes)")  # fmt: skip
 

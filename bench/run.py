@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import psutil
 import torch
 import transformers
+from targets import line as target_line
 
 from swarmlm.client.model import AutoDistributedModelForCausalLM
 from swarmlm.config import ClientConfig
@@ -195,6 +196,7 @@ def print_table(rows: Sequence[Row]) -> None:
     print(f"\n{'metric':<30} {'local':>10} {'swarm':>10}   ratio (swarm/local)")
     for row in rows:
         print(f"{row.metric:<30} {row.local:>10.1f} {row.swarm:>10.1f}   {row.swarm / row.local:.2f}")
+    print(target_line("forward", rows[0].swarm / rows[0].local))
 
 
 def measure_throughput(forwards: dict[str, Forward], plan: Plan) -> Row:

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from targets import line as target_line
 from transformers import AutoModelForCausalLM
 
 from swarmlm.client.model import AutoDistributedModelForCausalLM
@@ -96,6 +97,8 @@ def main() -> None:
     print(f"\n{'train steps/s (fwd+bwd)':<34}{'local':>10}{'swarm':>10}{'ratio (swarm/local)':>22}")
     for label, rate in rates.items():
         print(f"{'swarm, ' + label:<34}{local_rate:>10.3f}{rate:>10.3f}{rate / local_rate:>22.2f}")
+    if "graphs kept" in rates:
+        print(target_line("deep_prompt", rates["graphs kept"] / local_rate))
 
 
 if __name__ == "__main__":
