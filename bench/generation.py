@@ -1,19 +1,23 @@
 """Benchmark: single-stream greedy decoding through 2- and 3-server loopback swarms against local generate().
 
 Prints decode tokens/s, time to first token and the time to recover from a server SIGKILLed mid-generation, with
-ratios against Hugging Face generate() with a KV cache in one local process (same weights, fp32).
+ratios against Hugging Face generate() with a KV cache in one local process (same weights, fp32), and the time a
+decode step spends per hop outside the servers' compute (from the client's trace of every step).
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import threading
 import time
 
 import torch
+from targets import line as target_line
 from transformers import AutoModelForCausalLM
 
 from swarmlm.client.model import AutoDistributedModelForCausalLM
+from swarmlm.client.trace import RequestTrace
 from swarmlm.models.loading import DEFAULT_MODEL, load_config, load_tokenizer, resolve_model
 from swarmlm.tools.local_swarm import LocalSwarm, even_spans
 
@@ -51,6 +55,33 @@ class Clock:
         return [b - a for a, b in zip(self.times, self.times[1:], strict=False)]
 
 
+class HopMeter:
+    """Per inference step of a swarm model, the step's time that its servers did not spend computing, per hop.
+
+    The step's time is its request trace's (client/trace.py: from the session's step call to its output, so the
+    client's embeddings, LM head and generate() loop are outside it); the hops are the messages of a step: 2 per
+    server when the client relays it, 1 + the servers when it is pushed from server to server. The client keeps only
+    its last trace, so the meter wraps where it keeps them. Steps with a retry or a replay are left out."""
+
+    def __init__(self, model: AutoDistributedModelForCausalLM):
+        client = model._client()
+        keep = client.keep_trace
+        self.hops_ms: list[float] = []
+
+        def kept(finished: RequestTrace) -> None:
+            keep(finished)
+            calls = [call for call in finished.calls if call.kind.endswith("step")]
+            if calls and not finished.retries and not finished.replays:
+                pushed = any(call.kind == "pushed step" for call in calls)
+                hops = len(calls) + 1 if pushed else 2 * len(calls)
+                self.hops_ms.append((finished.total_ms - sum(call.compute_ms for call in calls)) / hops)
+
+        client.keep_trace = kept  # generate() gives each session the client's keep_trace
+
+    def median_ms(self) -> float:
+        return statistics.median(self.hops_ms)
+
+
 def timed_generate(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, clock: Clock) -> torch.Tensor:
     clock.started = time.perf_counter()
     with torch.inference_mode():
@@ -74,13 +105,21 @@ def measure(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, repeats:
 def recovery_time(model: torch.nn.Module, swarm: LocalSwarm, ids: torch.Tensor, new_tokens: int) -> float:
     """Extra delay of the token after a SIGKILL of the last span's server, over the median inter-token gap."""
 
+    killing: list[threading.Thread] = []
+
     def kill_last_span() -> None:
+        # in a thread of its own: LocalSwarm.kill sends SIGKILL at once, then waits until the server's p2p daemon and
+        # DHT node are gone too (seconds), which is no part of the client's recovery
         session = model.active_session
         peer = session._spans[-1].span.peer_id
-        swarm.kill(next(s for s in swarm.servers if s.peer_id == peer))
+        victim = next(s for s in swarm.servers if s.peer_id == peer)
+        killing.append(threading.Thread(target=swarm.kill, args=(victim,), name="kill", daemon=True))
+        killing[-1].start()
 
     clock = Clock(KILL_AT_TOKEN, kill_last_span)
     timed_generate(model, ids, new_tokens, clock)
+    for thread in killing:
+        thread.join()
     gaps = clock.gaps()
     return gaps[KILL_AT_TOKEN - 1] - statistics.median(gaps)
 
@@ -103,7 +142,7 @@ def main() -> None:
     local = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa", dtype=torch.float32).eval()
     local_rate, local_ttft, expected = measure(local, ids, args.new_tokens, args.repeats)
     del local
-    rows = [("local", local_rate, local_ttft, None)]
+    rows = [("local", local_rate, local_ttft, None, None)]
     for servers in (2, 3):
         spans = even_spans(num_blocks, servers)
         with LocalSwarm(str(model_dir)) as swarm:
@@ -112,17 +151,25 @@ def main() -> None:
             with AutoDistributedModelForCausalLM.from_pretrained(
                 str(model_dir), initial_peers=swarm.initial_peers
             ) as model:
+                meter = HopMeter(model)
                 rate, ttft, output = measure(model, ids, args.new_tokens, args.repeats)
+                hop_ms = meter.median_ms()
                 if output != expected:
                     raise SystemExit(f"{servers}-server swarm generated other tokens than the local model")
                 recovery = recovery_time(model, swarm, ids, args.new_tokens)
-        rows.append((f"{servers} servers", rate, ttft, recovery))
+        rows.append((f"{servers} servers", rate, ttft, recovery, hop_ms))
 
-    print(f"\n{'run':<12}{'decode tok/s':>14}{'ratio':>8}{'TTFT ms':>10}{'ratio':>8}{'recovery ms':>13}")
-    for name, rate, ttft, recovery in rows:
+    print(f"\n{'run':<12}{'decode tok/s':>14}{'ratio':>8}{'TTFT ms':>10}{'ratio':>8}{'recovery ms':>13}"
+          f"{'ms per hop':>12}")  # fmt: skip
+    for name, rate, ttft, recovery, hop_ms in rows:
         recovery_text = "" if recovery is None else f"{recovery * 1000:.0f}"
+        hop_text = "" if hop_ms is None else f"{hop_ms:.1f}"
         print(f"{name:<12}{rate:>14.1f}{rate / local_rate:>8.2f}{ttft * 1000:>10.0f}{ttft / local_ttft:>8.2f}"
-              f"{recovery_text:>13}")  # fmt: skip
+              f"{recovery_text:>13}{hop_text:>12}")  # fmt: skip
+    _, rate, ttft, _, hop_ms = rows[1]  # 2 servers
+    print(target_line("decode", rate / local_rate))
+    print(target_line("first_token", ttft / local_ttft))
+    print(target_line("hop", hop_ms))
 
 
 if __name__ == "__main__":
