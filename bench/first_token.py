@@ -17,6 +17,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+from targets import line as target_line
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from swarmlm.client.model import AutoDistributedModelForCausalLM
@@ -51,6 +52,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--repeats", type=int, default=7, help="timed runs of each (after one warm-up)")
+    parser.add_argument(
+        "--server-threads", type=int, default=None,
+        help="torch threads of each server, and of the prompt steps alone (default: torch's)",
+    )  # fmt: skip
     args = parser.parse_args()
     model_dir = resolve_model(args.model)
     config = load_config(model_dir)
@@ -63,7 +68,7 @@ def main() -> None:
     parts: defaultdict[str, list[float]] = defaultdict(list)
     walls = []
     spans = even_spans(config.num_hidden_layers, 2)
-    with LocalSwarm(str(model_dir)) as swarm:
+    with LocalSwarm(str(model_dir), threads_per_server=args.server_threads) as swarm:
         swarm.start_servers(spans)
         peers = swarm.initial_peers
         with AutoDistributedModelForCausalLM.from_pretrained(str(model_dir), initial_peers=peers) as model:
@@ -82,12 +87,15 @@ def main() -> None:
     print(f"model {args.model}, {ids.shape[1]}-token prompt, 2 servers, medians of {args.repeats}")
     print(f"time to first token: local {local_s * 1000:.1f} ms, swarm {swarm_s * 1000:.1f} ms "
           f"(ratio swarm/local {swarm_s / local_s:.2f})")  # fmt: skip
+    print(target_line("first_token", swarm_s / local_s))
     print("the swarm's time, ms (median of each part; calls in the order they were made):")
     for name, values in parts.items():
         print(f"  {name:<40}{statistics.median(values):>8.1f}")
     with torch.inference_mode():
         hidden = local.get_input_embeddings()(ids)
-    print("each server's prompt step alone, in this process (no swarm), ms:")
+    if args.server_threads:
+        torch.set_num_threads(args.server_threads)
+    print(f"each server's prompt step alone, in this process (no swarm; {torch.get_num_threads()} threads), ms:")
     for start, end in spans:
         alone_ms = prefill_alone_ms(Path(model_dir), start, end, hidden, args.repeats)
         print(f"  {f'blocks {start}:{end}':<40}{alone_ms:>8.1f}")
