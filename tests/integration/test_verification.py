@@ -20,9 +20,11 @@ HONEST_REQUESTS = 200
 # requests through a server that perturbs half of its replies, checked with probability 1/2, before it must be
 # caught: a miss has probability (3/4)^40 < 1e-4
 SOMETIMES_BOUND = 40
-# fresh sessions, each checked against independent servers at its first steps, until one meets the hostile server
-# (it serves or checks about a third to a half of them)
-SESSIONS_TO_MEET = 12
+# fresh sessions, routed at random among the three servers, until one meets the hostile server: it serves a third of
+# them (and checks some of the others), so 30 sessions all miss it with probability below (2/3)^30 < 1e-5
+SESSIONS_TO_MEET = 30
+# routes drawn at random among all three servers (measured costs alone may keep a client off one of them for good)
+SPREAD = dict(route_tie_tolerance=100.0, route_stickiness=0.0)
 
 
 @pytest.fixture(scope="module")
@@ -90,9 +92,7 @@ def test_a_server_tampering_sometimes_is_caught_within_a_bounded_number_of_reque
     local, hostile = swarm
     hostile.set("perturb_sometimes")
     through_hostile, checked_results = 0, 0
-    # routes drawn at random among all three servers, so that the hostile one serves about a third of them
-    spread = dict(route_tie_tolerance=100.0, route_stickiness=0.0)
-    with connected_model(tiny_model_dir, local, verify_probability=0.5, **spread) as model:
+    with connected_model(tiny_model_dir, local, verify_probability=0.5, **SPREAD) as model:
         manager = manager_of(model)
         for i in range(10 * SOMETIMES_BOUND):  # the hostile server serves about a third of them
             ids = _ids(2000 + i)
@@ -111,15 +111,14 @@ def test_a_server_tampering_sometimes_is_caught_within_a_bounded_number_of_reque
 
 
 def test_a_server_tampering_in_sessions_is_caught_and_replaced(tiny_model_dir: Path, reference, swarm) -> None:
-    """Sessions until one goes through the hostile server (as the session's server or as a checker of another's
-    step: routes are drawn among equals, and earlier tests' clients reported it): every output equals the local
-    one, and the session that met it convicts it."""
+    """Sessions until one goes through the hostile server (as the session's server or as the checker of another's
+    step, routes drawn at random): every output equals the local one, and the session that met it convicts it."""
     local, hostile = swarm
     hostile.set("perturb_sessions")
     ids = _ids(3000, batch=1, seq=6)
     with torch.inference_mode():
         expected = reference.generate(ids, max_new_tokens=12, do_sample=False)
-    with connected_model(tiny_model_dir, local) as model:
+    with connected_model(tiny_model_dir, local, **SPREAD) as model:
         for _ in range(SESSIONS_TO_MEET):
             before = hostile.count(PERTURBED_LINE)  # the log also holds earlier tests' perturbations
             with model.inference_session(max_length=32) as session:
