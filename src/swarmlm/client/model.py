@@ -54,6 +54,7 @@ class DistributedCausalLMMixin(RemoteGenerationMixin):
         lora_alpha: int | None = None,
         lora_target_modules: tuple[str, ...] | list[str] | str | None = None,
         swarm_key: str | os.PathLike | bytes | None = None,
+        client: SwarmClient | None = None,
         **client_options: Any,
     ) -> DistributedCausalLMMixin:
         """Load the local parts of `model` (a name, .gguf or HF folder) and connect to the swarm serving its blocks.
@@ -65,13 +66,19 @@ class DistributedCausalLMMixin(RemoteGenerationMixin):
         which travel with every request to the servers. Options of another mode than the one chosen are an error.
         swarm_key: a private swarm's key file (or its 32-byte secret).
         client_options are ClientConfig fields (dht_prefix, max_tokens_per_request, request_timeout_s, ...).
+        client: another model's `.client`, loaded from the same checkpoint: this model shares its connection to
+        the swarm (one DHT node, one event loop, one view of the servers per process) and its client options, so
+        initial_peers, swarm_key and client_options are not given. The connection closes with the last model.
         """
         _check_tuning_options(tuning_mode, pre_seq_len, lora_rank, lora_alpha, lora_target_modules)
         known = {f.name for f in fields(ClientConfig)} - {"initial_peers", "swarm_key"}
         unknown = set(client_options) - known
         if unknown:
             raise TypeError(f"unknown option(s) {sorted(unknown)}; client options are {sorted(known)}")
-        client_config = _client_config(model, initial_peers, swarm_key, client_options)
+        if client is None:
+            client_config = _client_config(model, initial_peers, swarm_key, client_options)
+        else:
+            client_config = _shared_config(client, initial_peers, swarm_key, client_options)
         if tuning_mode == "lora" and client_config.active_adapter is not None:
             # servers refuse every request that carries both (server/validation.py): say so before anything starts
             raise ConfigError(
@@ -110,8 +117,11 @@ class DistributedCausalLMMixin(RemoteGenerationMixin):
             )  # fmt: skip
         # only servers of this very checkpoint are used, whatever else is announced under the prefix
         fingerprint = model_fingerprint(model_dir)
-        client = SwarmClient(client_config, str(client_config.dht_prefix), config.num_hidden_layers, fingerprint)
-        instance.model.layers = RemoteSequential(client)
+        if client is None:
+            swarm = SwarmClient(client_config, str(client_config.dht_prefix), config.num_hidden_layers, fingerprint)
+        else:
+            swarm = SwarmClient(None, None, config.num_hidden_layers, fingerprint, share=client)
+        instance.model.layers = RemoteSequential(swarm)
         return instance
 
     def _load_local_parts(self, model_dir: Path, dtype: torch.dtype) -> None:
@@ -221,6 +231,11 @@ class DistributedCausalLMMixin(RemoteGenerationMixin):
         return self._client().server_info(peer_id)
 
     @property
+    def client(self) -> SwarmClient:
+        """This model's link to the swarm; pass it as from_pretrained's `client=` to share its connection."""
+        return self._client()
+
+    @property
     def last_trace(self) -> RequestTrace | None:
         """The trace of this model's last forward, backward or inference step: servers used, compute vs network
         time, retries, replays and spot checks with their outcomes (client/trace.py)."""
@@ -233,7 +248,7 @@ class DistributedCausalLMMixin(RemoteGenerationMixin):
         return layers.client
 
     def close(self) -> None:
-        """Leave the swarm: stop the client's DHT node and event loop."""
+        """Leave the swarm: stop the client's DHT node and event loop (once no other model shares them)."""
         layers = self.model.layers
         if isinstance(layers, RemoteSequential):
             layers.client.close()
@@ -280,6 +295,21 @@ def _client_config(
     if swarm_key is not None:
         options["swarm_key"] = swarm_key if isinstance(swarm_key, bytes) else load_swarm_key(swarm_key)
     return ClientConfig(initial_peers=tuple(initial_peers), **options)
+
+
+def _shared_config(client: object, initial_peers: object, swarm_key: object, options: dict[str, Any]) -> ClientConfig:
+    """The options of the shared client; those that would configure another connection are refused."""
+    if not isinstance(client, SwarmClient):
+        raise ConfigError(f"client must be another distributed model's .client, not {type(client).__name__}")
+    if client.closed:
+        raise ConfigError("client= belongs to a model that was closed")
+    given = [name for name, value in (("initial_peers", initial_peers), ("swarm_key", swarm_key)) if value]
+    if given or options:
+        raise ConfigError(
+            f"{', '.join(given + sorted(options))} cannot be combined with client=: a shared connection keeps the "
+            "options it was made with (give them to the first model's from_pretrained)"
+        )
+    return client.config
 
 
 def _check_tuning_options(

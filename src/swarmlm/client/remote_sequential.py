@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Coroutine, Iterable, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
@@ -18,7 +19,7 @@ from swarmlm.client.loop import LoopThread
 from swarmlm.client.sequence_manager import SequenceManager
 from swarmlm.client.span_call import RerouteError, fetch_info
 from swarmlm.config import ClientConfig
-from swarmlm.errors import SessionClosedError
+from swarmlm.errors import ConfigError, SessionClosedError
 from swarmlm.protocol.bundle import SpanTensors
 from swarmlm.protocol.lora import LoraWeights
 from swarmlm.protocol.messages import ServerInfo
@@ -30,11 +31,14 @@ T = TypeVar("T")
 Piece = tuple[int, int, ChainArgs]
 
 
-class SwarmClient:
-    """What all RemoteSequential slices of one model share: the event loop thread and the view of the swarm."""
+class SwarmConnection:
+    """One process's link to a swarm: the client's event loop thread and its view of the swarm (DHT node, routing,
+    health, spot checks). Models loaded with `client=` share one, so a process holds one DHT node, one loop and one
+    view of the servers whatever the number of models (a chat model and a trainer, or several tuning modes). It is
+    closed when the last model using it is closed."""
 
     def __init__(self, config: ClientConfig, dht_prefix: str, num_blocks: int, fingerprint: str | None = None):
-        self.config = config
+        self.config, self.fingerprint = config, fingerprint
         self.loop = LoopThread()
         self.manager = SequenceManager(config, dht_prefix, num_blocks, fingerprint)
         try:
@@ -42,8 +46,75 @@ class SwarmClient:
         except BaseException:
             self.loop.close()
             raise
+        self._users = 1
+        self._lock = threading.Lock()
+
+    @property
+    def closed(self) -> bool:
+        return self._users == 0
+
+    def acquire(self) -> None:
+        with self._lock:
+            if self._users == 0:
+                raise SessionClosedError("that model's swarm connection is closed: its models were all closed")
+            self._users += 1
+
+    def release(self) -> None:
+        with self._lock:
+            if self._users == 0:
+                return
+            self._users -= 1
+            if self._users:
+                return
+        try:
+            self.loop.run(self.manager.close(), timeout=30)
+        finally:
+            self.loop.close()
+
+
+class SwarmClient:
+    """What all RemoteSequential slices of one model share: a SwarmConnection (perhaps shared with other models of
+    the same checkpoint) and this model's last trace."""
+
+    def __init__(
+        self,
+        config: ClientConfig | None,
+        dht_prefix: str | None,
+        num_blocks: int,
+        fingerprint: str | None = None,
+        *,
+        share: SwarmClient | None = None,
+    ):
+        """A new connection from config, dht_prefix and fingerprint; or, with `share`, the connection of another
+        model's client, which must serve the same checkpoint (num_blocks and fingerprint)."""
+        if share is None:
+            if config is None or dht_prefix is None:
+                raise ValueError("a new swarm connection needs a ClientConfig and a DHT prefix")
+            self.connection = SwarmConnection(config, dht_prefix, num_blocks, fingerprint)
+        else:
+            theirs = share.connection
+            if theirs.manager.num_blocks != num_blocks or theirs.fingerprint != fingerprint:
+                raise ConfigError(
+                    f"client= is connected to servers of another checkpoint ({theirs.manager.num_blocks} blocks, "
+                    f"fingerprint {theirs.fingerprint}) than this model ({num_blocks} blocks, fingerprint "
+                    f"{fingerprint}): only models loaded from the same checkpoint share a connection"
+                )
+            theirs.acquire()
+            self.connection = theirs
         self.closed = False
         self.last_trace: trace.RequestTrace | None = None  # of the last forward, backward or inference step
+
+    @property
+    def config(self) -> ClientConfig:
+        return self.connection.config
+
+    @property
+    def loop(self) -> LoopThread:
+        return self.connection.loop
+
+    @property
+    def manager(self) -> SequenceManager:
+        return self.connection.manager
 
     def keep_trace(self, finished: trace.RequestTrace) -> None:
         self.last_trace = finished
@@ -67,12 +138,10 @@ class SwarmClient:
         return self.loop.run(ask_all())
 
     def close(self) -> None:
+        """This model is done with the swarm; the connection closes with the last model using it."""
         if not self.closed:
             self.closed = True
-            try:
-                self.loop.run(self.manager.close(), timeout=30)
-            finally:
-                self.loop.close()
+            self.connection.release()
 
 
 def split_batch(batch: int, seq: int, max_tokens: int) -> list[tuple[int, int]]:
