@@ -30,23 +30,35 @@ class Recovery:
         self.manager, self.state = manager, state
 
     async def open_chain(self, start: int, end: int, batch: int, retry: RetryBudget) -> list[SpanLink]:
-        """Links over blocks [start, end) on a new route; on failure, every stream opened here is closed."""
+        """Links over blocks [start, end) on a new route, its spans opened all at once (one round trip, not one per
+        server); the spans after one that failed to open are routed again from its blocks. On failure, every stream
+        opened here is closed."""
         opened: list[SpanLink] = []
         max_length = self.state.max_length
         try:
             position = start
             while position < end:
-                for span in await retry.route(position, end, tokens=batch, session_tokens=batch * max_length):
-                    link = SpanLink(self.manager, span, self.state.start)
-                    opened.append(link)  # closed below by any failure, an interrupted open's included
-                    try:
-                        await link.open(batch, max_length)
-                    except RemoteCallError as e:
-                        opened.pop()
-                        await link.close()
-                        retry.failed(span, e)
-                        break
-                    position = span.end
+                route = await retry.route(position, end, tokens=batch, session_tokens=batch * max_length)
+                links = [SpanLink(self.manager, span, self.state.start) for span in route]
+                opened += links  # closed below by any failure, an interrupted open's included
+                opening = (link.open(batch, max_length) for link in links)
+                results = await asyncio.gather(*opening, return_exceptions=True)
+                errors: list[tuple[SpanLink, RemoteCallError]] = []
+                for link, result in zip(links, results, strict=True):
+                    if isinstance(result, RemoteCallError):
+                        errors.append((link, result))
+                    elif isinstance(result, BaseException):
+                        raise result
+                if not errors:
+                    position = route[-1].end
+                    continue
+                first = links.index(errors[0][0])
+                for link in links[first:]:
+                    opened.remove(link)
+                    await link.close()
+                for link, error in errors:
+                    retry.failed(link.span, error)
+                position = route[first].start
             return opened
         except BaseException:
             await close_all(opened)
