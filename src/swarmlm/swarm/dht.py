@@ -138,7 +138,7 @@ def _start_joined(make: Callable[[], ParentBoundDHT], initial_peers: Sequence[st
         except P2PDaemonError as e:
             _stop_failed(dht)
             reason = _daemon_reason(e)
-            if BOOTSTRAP_FAILURE not in reason:
+            if not bootstrap_failed(reason, initial_peers):
                 raise SwarmError(f"the p2p daemon (p2pd) did not start: {reason}") from e
             if attempt == BOOTSTRAP_ATTEMPTS:
                 raise UnreachablePeersError(
@@ -162,6 +162,16 @@ def _stop_failed(dht: ParentBoundDHT) -> None:
     if dht.is_alive():
         dht.terminate()
         dht.join(timeout=5)
+
+
+def bootstrap_failed(reason: str, initial_peers: Sequence[str]) -> bool:
+    """Whether p2pd exited because no initial peer answered. hivemind reports p2pd's last line of output, and the
+    fatal line can be followed by a log line of another of p2pd's goroutines (seen on a loaded machine): with
+    initial peers to join, such a line is read as the bootstrap failure it nearly always hides (the node is started
+    again; a different fatal error shows itself then)."""
+    if BOOTSTRAP_FAILURE in reason:
+        return True
+    return bool(initial_peers) and reason.startswith("{") and '"logger"' in reason
 
 
 def _daemon_reason(error: P2PDaemonError) -> str:
