@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import shlex
+import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -75,6 +77,8 @@ class _AnswerPrinter(BaseStreamer):
         self.ids: list[int] = []  # the answer's tokens so far
         self.prompt_seen = False  # generate() hands over the prompt first
         self.shown = 0  # characters of the answer already printed
+        self._printing = False  # between printing text and counting it as shown
+        self._interrupted = False  # Ctrl-C came while printing: raised once the text is counted
 
     def put(self, value: torch.Tensor) -> None:
         if not self.prompt_seen:
@@ -94,8 +98,23 @@ class _AnswerPrinter(BaseStreamer):
         text = self.text()
         if not final and text.endswith("\ufffd"):  # the last token ends inside a character: wait for the rest
             return
-        print(text[self.shown :], end="", flush=True)
-        self.shown = len(text)
+        self._printing = True
+        try:
+            print(text[self.shown :], end="", flush=True)
+            self.shown = len(text)
+        finally:
+            self._printing = False
+        if self._interrupted:
+            self._interrupted = False
+            raise KeyboardInterrupt
+
+    def on_sigint(self, signum: int, frame: object) -> None:
+        """Ctrl-C while generating: a KeyboardInterrupt, held back while text is being printed and counted (else
+        the text printed before it would be printed again when the stopped answer is finished)."""
+        if self._printing:
+            self._interrupted = True
+        else:
+            raise KeyboardInterrupt
 
 
 def _generate(
@@ -138,6 +157,8 @@ def _interactive(model: DistributedCausalLMMixin, tokenizer: Any, max_new_tokens
             _keep_common_prefix(session, ids)
             print("Assistant: ", end="", flush=True)
             printer = _AnswerPrinter(tokenizer)
+            main = threading.current_thread() is threading.main_thread()  # where Python runs signal handlers
+            default_sigint = signal.signal(signal.SIGINT, printer.on_sigint) if main else None
             try:
                 _generate(model, printer, ids, max_new_tokens, session)
             except KeyboardInterrupt:
@@ -147,6 +168,9 @@ def _interactive(model: DistributedCausalLMMixin, tokenizer: Any, max_new_tokens
                 # rebuilds the servers' caches from the conversation at the next turn
                 session.close()
                 session = model.inference_session(max_length=CHAT_MAX_TOKENS)
+            finally:
+                if main:
+                    signal.signal(signal.SIGINT, default_sigint or signal.default_int_handler)
             conversation.append({"role": "assistant", "content": printer.text()})
     finally:
         session.close()
