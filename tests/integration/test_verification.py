@@ -4,6 +4,7 @@ the user's results stay equal to a local run; honest servers are never convicted
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,6 +26,8 @@ SOMETIMES_BOUND = 40
 SESSIONS_TO_MEET = 30
 # routes drawn at random among all three servers (measured costs alone may keep a client off one of them for good)
 SPREAD = dict(route_tie_tolerance=100.0, route_stickiness=0.0)
+# servers re-announce every 10 s: a client whose first DHT read missed one sees it within a few refreshes
+SEEN_WITHIN_S = 60.0
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +42,18 @@ def swarm(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     mode_file.write_text("honest")
     with running_swarm(tiny_model_dir, [(0, 5), (0, 5)]) as local:
         yield local, Hostile(add_hostile(local, 0, 5, mode_file), mode_file)
+
+
+def _see_every_server(model: torch.nn.Module, local: LocalSwarm) -> None:
+    """Wait until the client's view of the swarm holds every server: a DHT read can miss a record for a while (the
+    nodes it asks may hold an older version of the records' dictionary), and a missing server is never routed to."""
+    manager, deadline = manager_of(model), time.monotonic() + SEEN_WITHIN_S
+    expected = {server.peer_id for server in local.servers}
+    while not expected <= set(manager.servers):
+        if time.monotonic() > deadline:
+            pytest.fail(f"the client sees {sorted(manager.servers)} of {sorted(expected)} after {SEEN_WITHIN_S} s")
+        time.sleep(0.5)
+        model.client.loop.run(manager.refresh())
 
 
 def _local(reference: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -119,6 +134,7 @@ def test_a_server_tampering_in_sessions_is_caught_and_replaced(tiny_model_dir: P
     with torch.inference_mode():
         expected = reference.generate(ids, max_new_tokens=12, do_sample=False)
     with connected_model(tiny_model_dir, local, **SPREAD) as model:
+        _see_every_server(model, local)
         for _ in range(SESSIONS_TO_MEET):
             before = hostile.count(PERTURBED_LINE)  # the log also holds earlier tests' perturbations
             with model.inference_session(max_length=32) as session:
