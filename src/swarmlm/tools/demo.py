@@ -170,7 +170,9 @@ def _interactive(model: DistributedCausalLMMixin, tokenizer: Any, max_new_tokens
                 session = model.inference_session(max_length=CHAT_MAX_TOKENS)
             finally:
                 if main:
-                    signal.signal(signal.SIGINT, default_sigint or signal.default_int_handler)
+                    # None: the handler before was not set from Python; SIG_DFL (0) is restored as it was
+                    before = signal.default_int_handler if default_sigint is None else default_sigint
+                    signal.signal(signal.SIGINT, before)
             conversation.append({"role": "assistant", "content": printer.text()})
     finally:
         session.close()
