@@ -140,6 +140,8 @@ def sample(swarm: LocalSwarm, t_s: float) -> list[Sample]:
             fds = [p.num_fds() for p in tree]
         except psutil.Error:
             continue  # it died between the check and the reading
+        if rss[0] == 0 or fds[0] == 0:
+            continue  # it is exiting: the kernel has freed its memory or closed its descriptors, no pid reaped yet
         rows.append(Sample(t_s, f"s{index}", server.process.pid, rss[0], fds[0], sum(rss), sum(fds)))
     return rows
 
