@@ -4,10 +4,12 @@ connection closed with the last model, and clear errors for what cannot be share
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -128,3 +130,44 @@ def test_what_cannot_be_shared_is_refused_clearly(tiny_model_dir: Path, swarm: L
         # nothing refused took a share of the connection: it closes with the one model using it
     assert model.client.connection.closed
     assert _wait_for_pids(before) == before
+
+
+async def _greedy_on_loop(model: Any, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    ids = prompt
+    session = model.inference_session(max_length=prompt.shape[1] + new_tokens)
+    try:
+        for _ in range(new_tokens):
+            token = (await model.anext_logits(session, ids)).argmax(-1)
+            ids = torch.cat([ids, token[:, None]], dim=1)
+    finally:
+        await session.aclose()
+    return ids
+
+
+def test_generations_as_coroutines_on_the_client_loop_equal_generate(tiny_model_dir: Path, swarm: LocalSwarm) -> None:
+    """Plain and prompt-tuned models sharing one loop, three generations each as coroutines at once (as the API
+    server runs its requests): every one equals generate() of its model, the plain ones local greedy too, and every
+    token's LM head went through the loop's batcher."""
+    reference = load_reference(tiny_model_dir)
+    prompts = [_ids(seed, seq=4 + seed) for seed in (3, 4, 5)]
+    with connected_model(tiny_model_dir, swarm) as chat:
+        torch.manual_seed(1)
+        tuned = AutoDistributedModelForCausalLM.from_pretrained(
+            str(tiny_model_dir), client=chat.client, tuning_mode="deep_ptune", pre_seq_len=2
+        )
+        try:
+
+            async def all_at_once() -> list[torch.Tensor]:
+                runs = [_greedy_on_loop(model, prompt, 6) for model in (chat, tuned) for prompt in prompts]
+                return await asyncio.gather(*runs)
+
+            outputs = chat.client.loop.run(all_at_once())
+            with torch.inference_mode():
+                for model, out in zip([chat] * 3 + [tuned] * 3, outputs, strict=True):
+                    prompt = out[:, : out.shape[1] - 6]
+                    assert torch.equal(out, model.generate(prompt, max_new_tokens=6, do_sample=False))
+                for prompt, out in zip(prompts, outputs[:3], strict=True):
+                    assert torch.equal(out, reference.generate(prompt, max_new_tokens=6, do_sample=False))
+            assert chat._loop_heads.rows == tuned._loop_heads.rows == 3 * 6
+        finally:
+            tuned.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from swarmlm.client import head_batching
-from swarmlm.client.head_batching import HeadBatcher
+from swarmlm.client.head_batching import HeadBatcher, LoopHeadBatcher
 
 
 class SlowHead(torch.nn.Linear):
@@ -147,3 +148,85 @@ def test_products_use_the_packed_weight_and_follow_its_changes() -> None:
             torch.testing.assert_close(batcher(head, hidden), head(hidden), rtol=1e-5, atol=1e-5)
         many = torch.randn(20, 1, 64)  # more rows than the rows kernel takes
         torch.testing.assert_close(batcher(head, many), head(many), rtol=1e-5, atol=1e-5)
+
+
+class GatedHead:
+    """A product (rows, 8) -> (rows, 50) that waits for `gate` and records the rows of each call."""
+
+    def __init__(self) -> None:
+        self.weight = torch.randn(50, 8, generator=torch.Generator().manual_seed(0))
+        self.calls: list[int] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.fail = False
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        self.gate.wait(30)
+        self.calls.append(rows.shape[0])
+        if self.fail:
+            raise RuntimeError("the product broke")
+        return rows @ self.weight.T
+
+
+def rows_of(seed: int, count: int = 1) -> torch.Tensor:
+    return torch.randn(count, 8, generator=torch.Generator().manual_seed(seed))
+
+
+def test_on_a_loop_rows_of_generations_still_stepping_are_gathered_into_one_product() -> None:
+    head = GatedHead()
+    batcher = LoopHeadBatcher(head)
+
+    async def cohort() -> list[torch.Tensor]:
+        batcher.stepping = 3  # three more generations are still at the servers: the first rows wait for theirs
+        return await asyncio.gather(*(batcher(rows_of(seed, seed)) for seed in (1, 2, 3, 4)))
+
+    outputs = asyncio.run(cohort())
+    assert head.calls == [10]
+    for seed, out in zip((1, 2, 3, 4), outputs, strict=True):
+        torch.testing.assert_close(out, rows_of(seed, seed) @ head.weight.T)
+    assert (batcher.batches, batcher.rows) == (1, 10)
+    batcher.close()
+
+
+def test_on_a_loop_a_generation_alone_goes_at_once_and_rows_arriving_meanwhile_go_next_together() -> None:
+    head = GatedHead()
+    batcher = LoopHeadBatcher(head)
+
+    async def run() -> list[torch.Tensor]:
+        head.gate.clear()
+        first = asyncio.ensure_future(batcher(rows_of(1)))  # no generation stepping: its product starts at once
+        while not head.calls and not batcher._running:
+            await asyncio.sleep(0)
+        later = [asyncio.ensure_future(batcher(rows_of(seed))) for seed in (2, 3)]
+        await asyncio.sleep(0.05)
+        assert not first.done()
+        head.gate.set()
+        return [await first, *[await task for task in later]]
+
+    outputs = asyncio.run(run())
+    assert head.calls == [1, 2]
+    for seed, out in zip((1, 2, 3), outputs, strict=True):
+        torch.testing.assert_close(out, rows_of(seed) @ head.weight.T)
+    batcher.close()
+
+
+def test_on_a_loop_a_failing_product_fails_its_callers_and_a_cancelled_caller_leaves_the_rest() -> None:
+    head = GatedHead()
+    batcher = LoopHeadBatcher(head)
+
+    async def run() -> None:
+        head.fail = True
+        results = await asyncio.gather(batcher(rows_of(1)), batcher(rows_of(2)), return_exceptions=True)
+        assert [str(r) for r in results] == ["the product broke"] * 2
+        head.fail = False
+        head.gate.clear()
+        gone = asyncio.ensure_future(batcher(rows_of(3)))
+        kept = asyncio.ensure_future(batcher(rows_of(4)))
+        await asyncio.sleep(0.01)
+        gone.cancel()
+        head.gate.set()
+        torch.testing.assert_close(await kept, rows_of(4) @ head.weight.T)
+        torch.testing.assert_close(await batcher(rows_of(5)), rows_of(5) @ head.weight.T)
+
+    asyncio.run(run())
+    batcher.close()

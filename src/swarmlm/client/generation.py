@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from swarmlm.client import trace
-from swarmlm.client.head_batching import HeadBatcher
+from swarmlm.client.head_batching import HeadBatcher, LoopHeadBatcher
 from swarmlm.client.inference import InferenceSession
 from swarmlm.client.loop import LoopThread
 from swarmlm.client.sequence_manager import SequenceManager
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
     from swarmlm.client.lora import LoraTuning
     from swarmlm.client.prompts import PromptTuning
     from swarmlm.models.registry import ModelFamily
+    from swarmlm.protocol.lora import LoraWeights
 
     class _ModelBase(PreTrainedModel, GenerationMixin):
         """The mixins are only ever mixed into a Hugging Face causal LM class: its attributes and generate()."""
@@ -125,6 +127,7 @@ class RemoteGenerationMixin(_ModelBase):
 
     _session_stacks: SessionStacks
     _head_batcher: HeadBatcher
+    _loop_heads: LoopHeadBatcher
 
     @property
     def _active_sessions(self) -> list[InferenceSession]:
@@ -262,6 +265,57 @@ class RemoteGenerationMixin(_ModelBase):
         """A forward through `session`: tokens it has not processed run through the servers' caches; their logits
         (of the last logits_to_keep of them; 0: all)."""
         session = generating(session)
+        step = self._session_step(session, input_ids, attention_mask, position_ids)
+        out = session.step(
+            step.embeds, step.prompts, step.hypo_ids, attention_mask=step.attention_mask,
+            position_ids=step.position_ids, lora=step.lora,
+        )  # fmt: skip
+        hidden = self._after_step(session, step, input_ids, out)
+        hidden = hidden[:, slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep]
+        head = self.get_submodule(self.family.head_name)
+        # without gradients (generation), concurrent callers' rows share one product (client/head_batching.py)
+        logits = self._head_batcher(head, hidden) if not torch.is_grad_enabled() else head(hidden)
+        return CausalLMOutputWithPast(logits=self.family.final_logits(self.config, logits))
+
+    async def anext_logits(self, session: InferenceSession, input_ids: torch.Tensor) -> torch.Tensor:
+        """On the client's loop (await it there; it never blocks the loop on the LM head): the logits (batch,
+        vocab) of input_ids' last position, running the tokens `session` has not processed through its servers.
+
+        What a generation loop needs per token, for callers that run many generations as coroutines on one loop
+        (the API server's requests): their LM heads run as one product on a worker thread, gathered from every
+        generation of this model whose step comes back at about the same time (client/head_batching.py)."""
+        session = generating(session)
+        with torch.inference_mode():
+            step = self._session_step(session, input_ids, None, None)
+            inputs = session.inputs(
+                step.embeds, step.prompts, step.hypo_ids, attention_mask=step.attention_mask,
+                position_ids=step.position_ids, lora=step.lora,
+            )  # fmt: skip
+        self._loop_heads.stepping += 1
+        try:
+            out = await session.atraced_step(inputs)
+        finally:
+            self._loop_heads.stepping -= 1
+        with torch.inference_mode():
+            hidden = self._after_step(session, step, input_ids, out)[:, -1]
+        logits = await self._loop_heads(hidden)
+        return self.family.final_logits(self.config, logits)
+
+    def _head_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """The LM head of (rows, hidden), by the model's head batcher (its packed weight); on a worker thread."""
+        with torch.inference_mode():
+            return self._head_batcher(self.get_submodule(self.family.head_name), rows)
+
+    def _session_step(
+        self,
+        session: GenerationSession,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+    ) -> _Step:
+        """What a forward through `session` sends for the tokens it has not processed: their embeddings (after the
+        prompt's, on a session's first step), deep prompts and LoRA weights on the first step, the mask and
+        positions."""
         new_ids, hypo_ids, seen = new_tokens(session, input_ids)
         fresh = session.position == 0
         embeds = self.get_submodule(self.family.embed_name)(new_ids)
@@ -282,15 +336,27 @@ class RemoteGenerationMixin(_ModelBase):
         if self.lora_tuning is not None and fresh:
             # the session keeps the LoRA weights of its first step (the model's current ones) for all its steps
             lora = self.lora_tuning.weights()
-        hidden = session.step(
-            embeds, prompts, hypo_ids, attention_mask=attention_mask, position_ids=position_ids, lora=lora
-        )
+        prefix = tuning.pre_seq_len if tuning is not None and fresh else 0
+        return _Step(embeds, prompts, hypo_ids, attention_mask, position_ids, lora, prefix)
+
+    def _after_step(
+        self, session: GenerationSession, step: _Step, input_ids: torch.Tensor, hidden: torch.Tensor
+    ) -> torch.Tensor:
+        """The step's output through the final norm, without the prompt's positions; the session records that it
+        has processed input_ids."""
         session.token_ids = input_ids
-        hidden = self.get_submodule(self.family.norm_name)(hidden.to(embeds.dtype))
-        if tuning is not None and fresh:
-            hidden = hidden[:, tuning.pre_seq_len :]
-        hidden = hidden[:, slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep]
-        head = self.get_submodule(self.family.head_name)
-        # without gradients (generation), concurrent callers' rows share one product (client/head_batching.py)
-        logits = self._head_batcher(head, hidden) if not torch.is_grad_enabled() else head(hidden)
-        return CausalLMOutputWithPast(logits=self.family.final_logits(self.config, logits))
+        hidden = self.get_submodule(self.family.norm_name)(hidden.to(step.embeds.device, step.embeds.dtype))
+        return hidden[:, step.prefix :]
+
+
+@dataclass(frozen=True)
+class _Step:
+    """A generation step's arguments to the session, and the prompt positions to drop from its output."""
+
+    embeds: torch.Tensor  # (batch, new tokens, hidden), after the prompt's on a prompt-tuned session's first step
+    prompts: torch.Tensor | None  # deep prompts (first step only)
+    hypo_ids: torch.Tensor | None
+    attention_mask: torch.Tensor | None
+    position_ids: torch.Tensor | None
+    lora: LoraWeights | None  # the model's LoRA weights (first step only)
+    prefix: int  # the prompt's positions in front of the tokens (a prompt-tuned session's first step), dropped

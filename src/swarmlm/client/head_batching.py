@@ -20,10 +20,12 @@ made at the first product, so it costs the head's size in memory once the client
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -194,3 +196,85 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
         return None
     logger.debug("packed the LM head for its products (%.0f MB)", weight.numel() * 4 / 1e6)
     return packed
+
+
+class LoopHeadBatcher:
+    """The LM head of generations that run as coroutines on one event loop: rows awaiting logits at about the same
+    time go through one product on a worker thread, so the loop keeps serving the other generations' network
+    meanwhile.
+
+    `stepping` counts the generations whose step is still out at the servers (their caller keeps it). Queued rows
+    wait while some are: until those rows arrive too, for at most GATHER_MAX_S, and only while rows keep coming
+    (each within GATHER_GAP_S of the last); with none out, they go at once. Rows that come while a product runs go in
+    the next one. Await it on the loop only."""
+
+    def __init__(self, product: Callable[[torch.Tensor], torch.Tensor]):
+        self._product = product  # (rows, hidden) -> (rows, vocab), run on the worker thread
+        self.stepping = 0
+        self._queue: list[tuple[torch.Tensor, asyncio.Future[torch.Tensor]]] = []
+        self._first = self._last = 0.0  # when the oldest and the newest queued rows came (monotonic s)
+        self._running = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self.batches = 0  # products run (for statistics)
+        self.rows = 0  # rows they carried
+
+    async def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(rows, hidden) -> (rows, vocab)."""
+        future: asyncio.Future[torch.Tensor] = asyncio.get_running_loop().create_future()
+        now = time.monotonic()
+        if not self._queue:
+            self._first = now
+        self._queue.append((hidden, future))
+        self._last = now
+        self._consider()
+        return await future
+
+    def close(self) -> None:
+        if self.batches:
+            logger.debug(
+                "LM head on the loop: %d products of %.2f rows on average", self.batches, self.rows / self.batches
+            )
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def _consider(self) -> None:
+        """Start a product now, or look again when the gathering's time is up."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._running or not self._queue:
+            return
+        wait = 0.0
+        if self.stepping > 0:
+            wait = min(self._last + GATHER_GAP_S, self._first + GATHER_MAX_S) - time.monotonic()
+        if wait > 0:
+            self._timer = asyncio.get_running_loop().call_later(wait, self._consider)
+            return
+        batch, self._queue, self._running = self._queue, [], True
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="swarmlm-head")
+        rows = [hidden for hidden, _ in batch]
+        done = asyncio.get_running_loop().run_in_executor(self._executor, self._run, rows)
+        done.add_done_callback(lambda finished: self._finished(batch, finished))
+
+    def _run(self, rows: list[torch.Tensor]) -> list[torch.Tensor]:
+        out = self._product(torch.cat(rows) if len(rows) > 1 else rows[0])
+        return list(torch.split(out, [r.shape[0] for r in rows]))
+
+    def _finished(self, batch: list[tuple[torch.Tensor, asyncio.Future[torch.Tensor]]], done: asyncio.Future) -> None:
+        self._running = False
+        self.batches += 1
+        self.rows += sum(hidden.shape[0] for hidden, _ in batch)
+        error = None if done.cancelled() else done.exception()
+        for index, (_, future) in enumerate(batch):
+            if future.done():  # its caller went away
+                continue
+            if done.cancelled():
+                future.cancel()
+            elif error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(done.result()[index])
+        if self._queue:
+            self._consider()

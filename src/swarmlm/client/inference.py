@@ -111,6 +111,23 @@ class InferenceSession:
         all later ones run with, until a step gives others; each server receives them once (a replay on failover
         sends them again), and such steps always run alone on the servers, never pushed or batched.
         """
+        inputs = self.inputs(
+            hidden, prompts, hypo_ids, attention_mask=attention_mask, position_ids=position_ids, lora=lora
+        )
+        return self.loop.run(self.atraced_step(inputs)).to(hidden.device)
+
+    def inputs(
+        self,
+        hidden: torch.Tensor,
+        prompts: torch.Tensor | None = None,
+        hypo_ids: torch.Tensor | None = None,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        lora: LoraWeights | None = None,
+    ) -> SpanTensors:
+        """step()'s arguments, checked, as the tensors a step sends (on the CPU); LoRA weights are kept for the
+        session's later steps from here on."""
         if hidden.ndim != 3:
             raise ValueError(f"hidden states must be (batch, seq, hidden), got {tuple(hidden.shape)}")
         blocks = self.end - self.start
@@ -118,11 +135,14 @@ class InferenceSession:
             raise ValueError(f"prompts must be ({blocks}, prefix, hidden) or ({blocks}, batch, prefix, hidden)")
         if lora is not None:
             self.state.lora = lora.with_flat(lora.flat.detach().cpu()).blocks(self.start, self.end)
-        inputs = SpanTensors(
+        return SpanTensors(
             hidden.detach().cpu(), attention_mask=attention_mask, position_ids=position_ids, hypo_ids=hypo_ids,
             prompts=None if prompts is None else prompts.detach().cpu(),
         )  # fmt: skip
-        return self.loop.run(trace.traced("inference", self.astep(inputs), self._keep_trace)).to(hidden.device)
+
+    async def atraced_step(self, inputs: SpanTensors) -> torch.Tensor:
+        """astep() with its own request trace, kept as the session's last_trace (and the client's)."""
+        return await trace.traced("inference", self.astep(inputs), self._keep_trace)
 
     def _keep_trace(self, finished: trace.RequestTrace) -> None:
         self.last_trace = finished

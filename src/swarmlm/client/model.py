@@ -14,7 +14,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from swarmlm.checks import POSITIVE_INT, check_range
 from swarmlm.client.generation import RemoteGenerationMixin, SessionStacks
-from swarmlm.client.head_batching import HeadBatcher
+from swarmlm.client.head_batching import HeadBatcher, LoopHeadBatcher
 from swarmlm.client.inference import InferenceSession
 from swarmlm.client.lora import DEFAULT_ALPHA, DEFAULT_RANK, DEFAULT_TARGETS, LoraTuning
 from swarmlm.client.prompts import PromptTuning
@@ -104,6 +104,8 @@ class DistributedCausalLMMixin(RemoteGenerationMixin):
         instance._session_stacks = SessionStacks()
         # the LM head of concurrent generations (threads sharing this model) runs as one product
         instance._head_batcher = HeadBatcher()
+        # ... and so does that of generations running as coroutines on the client's loop (anext_logits)
+        instance._loop_heads = LoopHeadBatcher(instance._head_rows)
         if tuning_mode == "lora":
             targets = DEFAULT_TARGETS if lora_target_modules is None else lora_target_modules
             targets = (targets,) if isinstance(targets, str) else tuple(targets)
@@ -249,6 +251,7 @@ class DistributedCausalLMMixin(RemoteGenerationMixin):
 
     def close(self) -> None:
         """Leave the swarm: stop the client's DHT node and event loop (once no other model shares them)."""
+        self._loop_heads.close()
         layers = self.model.layers
         if isinstance(layers, RemoteSequential):
             layers.client.close()
