@@ -20,6 +20,16 @@ START_TIMEOUT_S = 120.0
 @contextmanager
 def http_process(args: list[str], ready_line: str) -> Iterator[str]:
     """Run `swarmlm ARGS` until its ready line and yield the base URL it prints; its output is echoed on failure."""
+    with http_server(args, ready_line, stopped_by_test=False) as (url, _):
+        yield url
+
+
+@contextmanager
+def http_server(
+    args: list[str], ready_line: str, stopped_by_test: bool = True
+) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+    """http_process(), yielding the process too, for a test that stops it itself (then it may have exited cleanly
+    by the end)."""
     process = spawn_bound([*SWARMLM, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     ready = threading.Event()
@@ -39,8 +49,10 @@ def http_process(args: list[str], ready_line: str) -> Iterator[str]:
         while not ready.wait(0.2):
             if process.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"`swarmlm {args[0]}` did not start:\n{''.join(lines[-40:])}")
-        yield url[0]
-        assert process.poll() is None, f"`swarmlm {args[0]}` died:\n{''.join(lines[-40:])}"
+        yield url[0], process
+        assert process.poll() in ((None, 0) if stopped_by_test else (None,)), (
+            f"`swarmlm {args[0]}` died:\n{''.join(lines[-40:])}"
+        )
     finally:
         if process.poll() is None:
             process.send_signal(signal.SIGTERM)

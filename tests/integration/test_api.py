@@ -4,6 +4,7 @@ client: answers equal local greedy generation, streams, stop strings, n, concurr
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import threading
 import time
@@ -21,7 +22,7 @@ from transformers import AutoTokenizer
 from swarmlm.api.service import READY_LINE
 from swarmlm.tools.local_swarm import LocalSwarm
 from tests.conftest import connected_model, load_reference, running_swarm
-from tests.integration.http_process import http_process
+from tests.integration.http_process import http_process, http_server
 
 NAME = "smollm2-135m-instruct"
 QUESTIONS = [
@@ -201,6 +202,61 @@ def test_a_client_leaving_mid_stream_frees_the_servers_session(
     with urllib.request.urlopen(f"{api_url}/api/v1/swarm", timeout=30) as response:
         recent = json.loads(response.read())["client"]["recent"]
     assert recent[0]["outcome"] == "cancelled" and recent[0]["tokens"] < 100
+
+
+def open_stream(api_url: str, question: str) -> socket.socket:
+    """A streaming chat request on a plain socket, long enough to still run when the test acts."""
+    body = {"model": NAME, "messages": [{"role": "user", "content": question}], "max_tokens": 2000, "stream": True}
+    data = json.dumps(body).encode()
+    host, port = api_url.removeprefix("http://").split(":")
+    connection = socket.create_connection((host, int(port)), timeout=60)
+    connection.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: api\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: %d\r\n\r\n%s" % (len(data), data))  # fmt: skip
+    return connection
+
+
+def received(connection: socket.socket, wait_s: float, until_tokens: int | None = None) -> bytes:
+    """What arrives within wait_s, until the server closes the connection, or until `until_tokens` content chunks
+    (the role's first one counted) have come."""
+    data, deadline = b"", time.monotonic() + wait_s
+    while (left := deadline - time.monotonic()) > 0:
+        connection.settimeout(left)
+        try:
+            part = connection.recv(4096)
+        except TimeoutError:
+            break
+        if not part:
+            break
+        data += part
+        if until_tokens is not None and data.count(b'"content": "') >= until_tokens:
+            break
+    return data
+
+
+def test_requests_past_max_concurrent_wait_and_stopping_the_api_closes_running_sessions(
+    smollm_dir: Path, swarm: LocalSwarm
+) -> None:
+    args = ["api", str(smollm_dir), "--served-model-name", NAME, "--port", "0", "--max-concurrent", "1"]
+    with http_server([*args, "--initial-peers", *swarm.initial_peers], READY_LINE) as (url, process):
+        with connected_model(smollm_dir, swarm) as model:
+            first = open_stream(url, QUESTIONS[2])
+            assert received(first, 60.0, until_tokens=3).count(b'"content": "') >= 3
+            second = open_stream(url, QUESTIONS[4])
+            assert received(second, 2.0) == b""  # its turn has not come: not even the reply's headers
+            assert received(first, 60.0, until_tokens=2).count(b'"content": "') >= 2  # while the first goes on
+            assert sessions_open(model) == 2  # the first request's, on each of the two servers
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(30) == 0
+            # both end with the reason: the streaming one as an error event, the waiting one as a 503 reply
+            assert b"the API server is shutting down" in received(first, 10.0)
+            rest = received(second, 10.0)
+            assert rest.startswith(b"HTTP/1.1 503") and b"the API server is shutting down" in rest
+            deadline = time.monotonic() + 15
+            while sessions_open(model) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert sessions_open(model) == 0
+            first.close()
+            second.close()
 
 
 BAD_REQUESTS = [

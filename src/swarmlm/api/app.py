@@ -17,7 +17,15 @@ from typing import Any
 
 from aiohttp import web
 
-from swarmlm.api.engine import ContextTooLongError, Delta, Engine, SamplingParams, TokenLogprob, Usage
+from swarmlm.api.engine import (
+    ContextTooLongError,
+    Delta,
+    Engine,
+    SamplingParams,
+    ShuttingDownError,
+    TokenLogprob,
+    Usage,
+)
 from swarmlm.api.logprobs import TokenNames, chat_content, completion_lists
 from swarmlm.api.monitor import Monitor
 from swarmlm.api.schemas import ApiError, ChatRequest, CompletionRequest, _Request, parse_body
@@ -55,6 +63,8 @@ def swarm_error(error: Exception) -> ApiError:
     """The reply for a failure while generating."""
     if isinstance(error, ApiError):
         return error
+    if isinstance(error, ShuttingDownError):
+        return ApiError(503, str(error), kind="service_unavailable", code="shutting_down")
     if isinstance(error, MissingBlocksError):
         return ApiError(503, str(error), kind="service_unavailable", code="missing_blocks")
     if isinstance(error, BadRequestError):

@@ -1,8 +1,10 @@
 """Completions for the HTTP API: one inference session per request, tokens decoded and streamed as text deltas.
 
-Requests run on worker threads (the client's sync edge): each opens its own session through the swarm, so concurrent
-requests reach the servers together and their decode steps batch there. A request's choices (n) are the rows of one
-session. Cancelling a stream (a client that went away) stops its decoding at the next token and closes its session.
+Requests run as coroutines on the client's own event loop, beside the sessions' network work: each opens its own
+session through the swarm, so concurrent requests reach the servers together and their decode steps batch there, and
+the LM heads of steps that come back together run as one product (model.anext_logits). No thread is held per
+request. A request's choices (n) are the rows of one session. Cancelling a stream (a client that went away) stops
+its decoding at the next token and closes its session.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +32,13 @@ RECENT_REQUESTS = 20
 
 class ContextTooLongError(ValueError):
     """The prompt plus the tokens asked for do not fit the model's context."""
+
+
+class ShuttingDownError(RuntimeError):
+    """The API server is stopping: requests still generating end with this, new ones are refused."""
+
+    def __init__(self) -> None:
+        super().__init__("the API server is shutting down")
 
 
 @dataclass(frozen=True)
@@ -165,17 +173,19 @@ _END = object()
 
 @dataclass
 class Engine:
-    """The model, its tokenizer and the worker threads that run requests through the swarm."""
+    """The model and its tokenizer; requests generate as coroutines on the model's client loop."""
 
     model: DistributedCausalLMMixin
     tokenizer: Any  # transformers' tokenizers return unions that depend on their flags
     context_tokens: int  # the model's context: prompt plus new tokens must fit
-    max_workers: int  # requests generating at once; more wait for a worker
+    max_workers: int  # requests generating at once; more wait for their turn
     recent: deque[RequestStats] = field(default_factory=lambda: deque(maxlen=RECENT_REQUESTS))
     route: list[tuple[str, int, int]] = field(default_factory=list)  # (peer, start, end) of the last session opened
 
     def __post_init__(self) -> None:
-        self.executor = ThreadPoolExecutor(self.max_workers, thread_name_prefix="swarmlm-api")
+        self._slots = asyncio.Semaphore(self.max_workers)  # used on the client's loop only
+        self._tasks: set[asyncio.Task[None]] = set()  # requests generating or waiting for a slot (client's loop)
+        self.closing = False
         eos = self.model.generation_config.eos_token_id
         if eos is None:
             eos = self.tokenizer.eos_token_id
@@ -214,6 +224,8 @@ class Engine:
     async def stream(self, prompt: list[int], params: SamplingParams, usage: list[Usage]) -> AsyncGenerator[Delta]:
         """The choices' text deltas as they are generated; `usage` gets the token counts at the end. Closing the
         iterator early (the client went away) stops the generation and closes its session."""
+        if self.closing:
+            raise ShuttingDownError
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[object] = asyncio.Queue()
         cancelled = threading.Event()
@@ -224,7 +236,13 @@ class Engine:
 
         began = time.perf_counter()
         stats: dict[str, Any] = {"first": None, "tokens": 0, "outcome": "cancelled"}
-        loop.run_in_executor(self.executor, self._run, prompt, params, emit, cancelled, stats)
+        try:
+            asyncio.run_coroutine_threadsafe(
+                self._run(prompt, params, emit, cancelled, stats), self.model.client.loop.loop
+            )
+        except RuntimeError as e:  # the client's loop is closed
+            stats["outcome"] = type(e).__name__
+            raise RuntimeError("the swarm connection is closed") from e
         try:
             while True:
                 item = await queue.get()
@@ -244,7 +262,7 @@ class Engine:
                 time.perf_counter() - began, stats["outcome"],
             ))  # fmt: skip
 
-    def _run(
+    async def _run(
         self,
         prompt: list[int],
         params: SamplingParams,
@@ -252,10 +270,14 @@ class Engine:
         cancelled: threading.Event,
         stats: dict[str, Any],
     ) -> None:
-        """Generate on this worker thread; every result and error goes through emit, then _END."""
+        """Generate on the client's loop, once a slot is free; every result and error goes through emit, then _END."""
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.add(task)
         try:
-            with torch.inference_mode():
-                self._generate(prompt, params, emit, cancelled, stats)
+            async with self._slots:
+                if not cancelled.is_set():
+                    await self._generate(prompt, params, emit, cancelled, stats)
             if not cancelled.is_set():
                 stats["outcome"] = "ok"
         except Exception as e:  # noqa: BLE001 - any failure is the request's, handed to its handler
@@ -263,10 +285,14 @@ class Engine:
             if not cancelled.is_set():
                 logger.info("A request failed: %s", e)
             emit(e)
+        except asyncio.CancelledError:  # close(): the server is stopping
+            emit(ShuttingDownError())
+            raise
         finally:
+            self._tasks.discard(task)
             emit(_END)
 
-    def _generate(
+    async def _generate(
         self,
         prompt: list[int],
         params: SamplingParams,
@@ -278,16 +304,18 @@ class Engine:
         choices = [ChoiceText(self.tokenizer, params.stop, self.eos_ids) for _ in range(params.n)]
         pending: list[list[TokenLogprob]] = [[] for _ in range(params.n)]  # per choice, not yet in a delta
         ids = torch.tensor([prompt] * params.n, dtype=torch.long)  # (n, tokens)
-        with self.model.inference_session(max_length=len(prompt) + params.max_new_tokens) as session:
+        session = self.model.inference_session(max_length=len(prompt) + params.max_new_tokens)
+        try:
             for _ in range(params.max_new_tokens):
                 if cancelled.is_set():
                     return
-                logits = self.model(input_ids=ids, session=session).logits[:, -1, :]  # (n, vocab)
+                logits = await self.model.anext_logits(session, ids)  # (n, vocab)
                 if stats["first"] is None:
                     stats["first"] = time.perf_counter()
                     self.route = [(span.peer_id, span.start, span.end) for span in session.route]
-                chosen = next_tokens(logits, params, generator)
-                scored = token_logprobs(logits, chosen, params.logprobs)
+                with torch.inference_mode():
+                    chosen = next_tokens(logits, params, generator)
+                    scored = token_logprobs(logits, chosen, params.logprobs)
                 for index, choice in enumerate(choices):
                     if choice.finish_reason is None:
                         stats["tokens"] += 1
@@ -302,10 +330,23 @@ class Engine:
                 if all(choice.finish_reason for choice in choices):
                     break
                 ids = torch.cat([ids, chosen[:, None]], dim=1)
+        finally:
+            await session.aclose()
         for index, choice in enumerate(choices):
             if choice.finish_reason is None:
                 emit(Delta(index, choice.finish("length"), "length", tuple(pending[index])))
         emit(Usage(len(prompt), stats["tokens"]))
 
     def close(self) -> None:
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        """Refuse new requests, end those still generating (with ShuttingDownError), and wait (a little) for their
+        sessions to close."""
+        self.closing = True
+
+        async def stop_all() -> None:
+            tasks = list(self._tasks)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        with contextlib.suppress(RuntimeError, TimeoutError):  # the loop is closed already, or a close hangs
+            self.model.client.loop.run(stop_all(), timeout=10)

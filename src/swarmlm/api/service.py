@@ -27,6 +27,8 @@ logger = logging.getLogger(__name__)
 
 READY_LINE = "API ready: "  # then the base URL; tests and the demo wait for it
 MONITOR_READY_LINE = "Monitor ready: "
+# on SIGINT/SIGTERM, how long handlers still running may take to finish (the engine has ended their generations)
+SHUTDOWN_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -94,7 +96,7 @@ def run_api(options: ApiOptions, on_ready: Callable[[str], None] | None = None) 
         monitor = Monitor(manager.dht, lambda: client_info(model, engine))
         try:
             routes = Routes(engine, names, monitor)
-            asyncio.run(_serve(routes, monitor, options.host, options.port, READY_LINE, on_ready))
+            asyncio.run(_serve(routes, monitor, options.host, options.port, READY_LINE, on_ready, engine.close))
         finally:
             engine.close()
 
@@ -134,8 +136,10 @@ def _client_dht(initial_peers: tuple[str, ...]) -> Any:
 
 async def _serve(
     routes: Routes, monitor: Monitor, host: str, port: int, ready_line: str,
-    on_ready: Callable[[str], None] | None = None,
+    on_ready: Callable[[str], None] | None = None, on_stop: Callable[[], None] | None = None,
 ) -> None:  # fmt: skip
+    """Serve until SIGINT or SIGTERM; then on_stop (the engine ends the requests still generating, whose handlers
+    then finish) before the server closes its connections."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -144,7 +148,7 @@ async def _serve(
     runner = web.AppRunner(routes.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port)
+        site = web.TCPSite(runner, host, port, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
         try:
             await site.start()
         except OSError as e:  # taken since it was checked, or refused for another reason
@@ -155,5 +159,7 @@ async def _serve(
             on_ready(f"http://{host}:{bound[1]}")
         await stop.wait()
     finally:
+        if on_stop is not None:
+            await asyncio.to_thread(on_stop)
         await monitor.close()
         await runner.cleanup()
