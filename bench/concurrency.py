@@ -12,6 +12,7 @@ and split long work into small quanta while sessions decode).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import statistics
 import threading
@@ -105,6 +106,37 @@ def together(
         thread.join()
     rate = len(inputs) * new_tokens / (time.perf_counter() - began)
     first = [clock.times[1] - began for clock in clocks]  # times[0]: the prompt, put before generation starts
+    return rate, steady_rate(clocks), [gap for clock in clocks for gap in clock.gaps()], outputs, first
+
+
+def together_on_loop(
+    model: torch.nn.Module, inputs: list[torch.Tensor], new_tokens: int
+) -> tuple[float, float, list[float], list[list[int]], list[float]]:
+    """together(), with every user a coroutine on the client's own loop (model.anext_logits, as `swarmlm api` runs
+    its requests) instead of a thread calling generate()."""
+    outputs: list[list[int]] = [[] for _ in inputs]
+    clocks = [Gaps() for _ in inputs]
+
+    async def user(index: int) -> None:
+        ids = inputs[index]
+        clocks[index].times.append(time.perf_counter())  # as generate()'s streamer gets the prompt first
+        session = model.inference_session(max_length=ids.shape[1] + new_tokens)
+        try:
+            for _ in range(new_tokens):
+                token = (await model.anext_logits(session, ids)).argmax(-1)
+                clocks[index].times.append(time.perf_counter())
+                outputs[index].append(int(token[0]))
+                ids = torch.cat([ids, token[:, None]], dim=1)
+        finally:
+            await session.aclose()
+
+    async def users() -> None:
+        await asyncio.gather(*(user(index) for index in range(len(inputs))))
+
+    began = time.perf_counter()
+    model.client.loop.run(users())
+    rate = len(inputs) * new_tokens / (time.perf_counter() - began)
+    first = [clock.times[1] - began for clock in clocks]
     return rate, steady_rate(clocks), [gap for clock in clocks for gap in clock.gaps()], outputs, first
 
 
@@ -243,17 +275,19 @@ class UsersRun:
 
 def run_users(
     swarm: LocalSwarm, m: torch.nn.Module, local: torch.nn.Module, inputs: list[torch.Tensor],
-    expected: list[list[int]], new_tokens: int, repeats: int,
+    expected: list[list[int]], new_tokens: int, repeats: int, on_loop: bool = False,
 ) -> UsersRun:  # fmt: skip
     """`repeats` rounds of: the local runs, then 1, 4 and 8 users through the swarm (drift of the machine touches
-    all alike)."""
-    run, head = UsersRun((1, 4, len(inputs))), m._head_batcher
+    all alike); the users are threads calling generate(), or coroutines on the client's loop (on_loop)."""
+    run = UsersRun((1, 4, len(inputs)))
+    head = m._loop_heads if on_loop else m._head_batcher
+    users_at_once = together_on_loop if on_loop else together
     for _ in range(repeats):
         run.local.append(local_rounds(local, inputs, new_tokens))
         for users in run.counts:
             before, head_before = cpu_seconds(), (head.batches, head.rows)
             logged = [len(batch_sizes(server.log_path)) for server in swarm.servers]
-            rate, decoding, user_gaps, outputs, first = together(m, inputs[:users], new_tokens)
+            rate, decoding, user_gaps, outputs, first = users_at_once(m, inputs[:users], new_tokens)
             after = cpu_seconds()
             if outputs != expected[:users]:
                 raise SystemExit("the swarm generated other tokens than the local model")
@@ -343,6 +377,10 @@ def main() -> None:
                              "the trainer; rates are their medians (rounds vary ~10%%)")  # fmt: skip
     parser.add_argument("--decode-wait-ms", type=float, default=None,
                         help="the servers' --decode-wait-ms (default: theirs; 0 turns the wait off)")  # fmt: skip
+    parser.add_argument("--on-loop", action="store_true",
+                        help="users as coroutines on the client's loop (as `swarmlm api` runs requests), not threads "
+                             "calling generate()")  # fmt: skip
+    parser.add_argument("--users-only", action="store_true", help="only the users at once (part 1)")
     parser.add_argument("--interference-only", action="store_true",
                         help="only the user next to a training client (part 2)")  # fmt: skip
     args = parser.parse_args()
@@ -351,7 +389,8 @@ def main() -> None:
     inputs = prompts(model_dir)
     print(
         f"model {args.model}, {len(inputs)} users, {args.new_tokens} new tokens each, greedy, fp32, torch threads "
-        f"{torch.get_num_threads()} (client), {args.server_threads} (each server); load average {load_average()}"
+        f"{torch.get_num_threads()} (client), {args.server_threads} (each server); load average {load_average()}; "
+        f"users as {'coroutines on the client loop' if args.on_loop else 'threads calling generate()'}"
     )
 
     local = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa", dtype=torch.float32).eval()
@@ -363,16 +402,18 @@ def main() -> None:
         swarm.start_servers(even_spans(num_blocks, SERVERS))
         with AutoDistributedModelForCausalLM.from_pretrained(str(model_dir), initial_peers=swarm.initial_peers) as m:
             greedy(m, inputs[0], 4)  # warm-up: routes measured, connections open
-            users = None
+            users, result = None, None
             if not args.interference_only:
-                users = run_users(swarm, m, local, inputs, expected, args.new_tokens, args.repeats)
-            with AutoDistributedModelForCausalLM.from_pretrained(
-                str(model_dir), initial_peers=swarm.initial_peers
-            ) as trainer:
-                result = interference(m, trainer, inputs[1], args.new_tokens, args.train_tokens, args.repeats)
+                users = run_users(swarm, m, local, inputs, expected, args.new_tokens, args.repeats, args.on_loop)
+            if not args.users_only:
+                with AutoDistributedModelForCausalLM.from_pretrained(
+                    str(model_dir), initial_peers=swarm.initial_peers
+                ) as trainer:
+                    result = interference(m, trainer, inputs[1], args.new_tokens, args.train_tokens, args.repeats)
     if users is not None:
         print_users(users, args.new_tokens)
-    print_interference(result, args.train_tokens)
+    if result is not None:
+        print_interference(result, args.train_tokens)
     print(f"\nload average at the end: {load_average()} (1 / 5 / 15 minutes; the benchmark itself keeps about 2 busy)")
 
 
