@@ -17,6 +17,7 @@ import transformers
 from targets import line as target_line
 
 from swarmlm.client.model import AutoDistributedModelForCausalLM
+from swarmlm.client.trace import RequestTrace
 from swarmlm.config import ClientConfig
 from swarmlm.models.loading import DEFAULT_MODEL, load_config, resolve_model
 from swarmlm.tools.local_swarm import LocalSwarm, even_spans
@@ -215,6 +216,17 @@ def measure_latency(forwards: dict[str, Forward], plan: Plan) -> Row:
     return Row("1-token latency ms", timings["local"].median * 1000, timings["swarm"].median * 1000)
 
 
+def print_trace(trace: RequestTrace | None) -> None:
+    """Where the last timed swarm forward went: each call's time by the client's clock and its server's compute."""
+    if trace is None:
+        return
+    print(f"the last swarm forward {BATCH}x{SEQ}: {trace.summary()}")
+    for call in trace.calls:
+        print(f"  {call.kind} blocks {call.start}:{call.end} on ...{call.peer_id[-6:]}: {call.total_ms:.1f} ms, "
+              f"{call.compute_ms:.1f} of them the server's compute")  # fmt: skip
+    sys.stdout.flush()
+
+
 def check_logits(local: Forward, swarm: Forward) -> None:
     input_ids = torch.randint(0, 10_000, (BATCH, SEQ), generator=torch.Generator().manual_seed(SEED + 1))
     diff = max_logits_diff(local, swarm, input_ids)
@@ -235,7 +247,9 @@ def run_swarm(args: argparse.Namespace, local: Forward, spans: Sequence[tuple[in
             forwards = {"local": local, "swarm": forward_fn(model)}
             check_logits(local, forwards["swarm"])
             with ForeignLoad() as load:
-                rows = [measure_throughput(forwards, plan), measure_latency(forwards, plan)]
+                rows = [measure_throughput(forwards, plan)]
+                print_trace(model.last_trace)
+                rows.append(measure_latency(forwards, plan))
             load.report()
             return rows
         finally:
