@@ -178,12 +178,12 @@ class Engine:
     model: DistributedCausalLMMixin
     tokenizer: Any  # transformers' tokenizers return unions that depend on their flags
     context_tokens: int  # the model's context: prompt plus new tokens must fit
-    max_workers: int  # requests generating at once; more wait for their turn
+    max_concurrent: int  # requests generating at once; more wait for their turn
     recent: deque[RequestStats] = field(default_factory=lambda: deque(maxlen=RECENT_REQUESTS))
     route: list[tuple[str, int, int]] = field(default_factory=list)  # (peer, start, end) of the last session opened
 
     def __post_init__(self) -> None:
-        self._slots = asyncio.Semaphore(self.max_workers)  # used on the client's loop only
+        self._slots = asyncio.Semaphore(self.max_concurrent)  # used on the client's loop only
         self._tasks: set[asyncio.Task[None]] = set()  # requests generating or waiting for a slot (client's loop)
         self.closing = False
         eos = self.model.generation_config.eos_token_id
@@ -237,9 +237,7 @@ class Engine:
         began = time.perf_counter()
         stats: dict[str, Any] = {"first": None, "tokens": 0, "outcome": "cancelled"}
         try:
-            asyncio.run_coroutine_threadsafe(
-                self._run(prompt, params, emit, cancelled, stats), self.model.client.loop.loop
-            )
+            self.model.client.loop.submit(self._run(prompt, params, emit, cancelled, stats))
         except RuntimeError as e:  # the client's loop is closed
             stats["outcome"] = type(e).__name__
             raise RuntimeError("the swarm connection is closed") from e

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -11,7 +12,8 @@ T = TypeVar("T")
 
 
 class LoopThread:
-    """An asyncio loop running on a daemon thread; `run()` submits a coroutine and waits for its result."""
+    """An asyncio loop running on a daemon thread; `run()` submits a coroutine and waits for its result, `submit()`
+    only starts it."""
 
     def __init__(self, name: str = "swarmlm-client"):
         self.loop = asyncio.new_event_loop()
@@ -23,13 +25,19 @@ class LoopThread:
         self.loop.run_forever()
         self.loop.close()
 
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        if threading.current_thread() is self._thread:
-            raise RuntimeError("LoopThread.run() called from its own loop: await the coroutine instead")
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Start a coroutine on the loop from any thread, without waiting for it (a closed loop: RuntimeError, and
+        the coroutine is closed, never left unawaited)."""
         if self.loop.is_closed() or not self._thread.is_alive():
             coro.close()
             raise RuntimeError("the client's event loop is closed")
-        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        if threading.current_thread() is self._thread:
+            coro.close()
+            raise RuntimeError("LoopThread.run() called from its own loop: await the coroutine instead")
+        future = self.submit(coro)
         try:
             return future.result(timeout)
         except BaseException:
