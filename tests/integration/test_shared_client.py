@@ -145,9 +145,9 @@ async def _greedy_on_loop(model: Any, prompt: torch.Tensor, new_tokens: int) -> 
 
 
 def test_generations_as_coroutines_on_the_client_loop_equal_generate(tiny_model_dir: Path, swarm: LocalSwarm) -> None:
-    """Plain and prompt-tuned models sharing one loop, three generations each as coroutines at once (as the API
-    server runs its requests): every one equals generate() of its model, the plain ones local greedy too, and every
-    token's LM head went through the loop's batcher."""
+    """Plain, prompt-tuned and LoRA-tuned models sharing one loop, three generations each as coroutines at once (as
+    the API server runs its requests): every one equals generate() of its model, the plain ones local greedy too,
+    and every token's LM head went through the loop's batcher."""
     reference = load_reference(tiny_model_dir)
     prompts = [_ids(seed, seq=4 + seed) for seed in (3, 4, 5)]
     with connected_model(tiny_model_dir, swarm) as chat:
@@ -155,19 +155,28 @@ def test_generations_as_coroutines_on_the_client_loop_equal_generate(tiny_model_
         tuned = AutoDistributedModelForCausalLM.from_pretrained(
             str(tiny_model_dir), client=chat.client, tuning_mode="deep_ptune", pre_seq_len=2
         )
+        lora = AutoDistributedModelForCausalLM.from_pretrained(str(tiny_model_dir), client=chat.client,
+                                                               tuning_mode="lora")  # fmt: skip
+        with torch.no_grad():  # LoRA starts as the identity: weights of its own make its tokens its own
+            for parameter in lora.lora_tuning.parameters():
+                parameter.add_(torch.randn(parameter.shape, generator=torch.Generator().manual_seed(2)) * 0.5)
+        models = (chat, tuned, lora)
         try:
 
             async def all_at_once() -> list[torch.Tensor]:
-                runs = [_greedy_on_loop(model, prompt, 6) for model in (chat, tuned) for prompt in prompts]
+                runs = [_greedy_on_loop(model, prompt, 6) for model in models for prompt in prompts]
                 return await asyncio.gather(*runs)
 
             outputs = chat.client.loop.run(all_at_once())
             with torch.inference_mode():
-                for model, out in zip([chat] * 3 + [tuned] * 3, outputs, strict=True):
+                for model, out in zip([m for m in models for _ in prompts], outputs, strict=True):
                     prompt = out[:, : out.shape[1] - 6]
                     assert torch.equal(out, model.generate(prompt, max_new_tokens=6, do_sample=False))
                 for prompt, out in zip(prompts, outputs[:3], strict=True):
                     assert torch.equal(out, reference.generate(prompt, max_new_tokens=6, do_sample=False))
-            assert chat._loop_heads.rows == tuned._loop_heads.rows == 3 * 6
+            changed = [not torch.equal(a, b) for a, b in zip(outputs[6:], outputs[:3], strict=True)]
+            assert any(changed), "the LoRA weights changed no token: the test would not see them"
+            assert [model._loop_heads.rows for model in models] == [3 * 6] * 3
         finally:
+            lora.close()
             tuned.close()
