@@ -4,6 +4,7 @@ another peer or past the time limit recomputes; what is kept stays within the bu
 
 from __future__ import annotations
 
+import gc
 from dataclasses import replace
 
 import pytest
@@ -183,4 +184,44 @@ def test_a_graph_larger_than_a_hosts_share_is_not_built_in_full_and_smaller_ones
     run(backend, small, lora, Keeping("a", "h", KEY))
     assert len(backend.activations) == 1
     probe.shutdown()
+    backend.shutdown()
+
+
+def graph_tensors() -> int:
+    """Tensors alive in this process that are part of an autograd graph (a kept graph's activations and outputs)."""
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.grad_fn is not None)
+
+
+@pytest.mark.parametrize("lora_too", [False, True], ids=["plain", "own-lora"])
+def test_graphs_evicted_expired_or_taken_are_freed(span, lora_too: bool) -> None:
+    """A forward whose backward never comes must not leave memory behind: a graph that leaves the cache frees its
+    activations (saved-tensor hooks that referenced the graph, or returned tensors whose grad_fn saved them, kept
+    every graph alive through autograd's nodes, where the garbage collector cannot see the cycle)."""
+    now = [0.0]
+    inputs, lora = request(span, backward=True)
+    lora = lora if lora_too else None
+    forward = replace(inputs, grad_outputs=None)
+    probe = SpanBackend(span, torch.float32, "cpu", 8192, activations=ActivationCache(1 << 30))
+    run(probe, forward, lora, Keeping("a", "h", KEY))
+    one = probe.activations.nbytes
+    probe.shutdown()
+    del probe
+    before = graph_tensors()
+    # room for one graph: each new one evicts the last
+    cache = ActivationCache(int(one * 1.5), host_share=1.0, ttl_s=60, clock=lambda: now[0])
+    backend = SpanBackend(span, torch.float32, "cpu", 8192, activations=cache)
+    for i in range(4):
+        run(backend, forward, lora, Keeping("a", "h", f"{i:016x}"))
+    assert len(cache) == 1 and cache.evicted == 3
+    kept = graph_tensors() - before
+    assert kept > 0  # the one graph still kept
+    run(backend, forward, lora, Keeping("a", "h", f"{9:016x}"))
+    assert graph_tensors() - before == kept  # one more evicted: nothing more alive
+    now[0] = 61.0
+    assert cache.expire() == 1 and len(cache) == 0
+    assert graph_tensors() == before  # expired: freed
+    run(backend, forward, lora, Keeping("a", "h", KEY))
+    run(backend, inputs, lora, Keeping("a", "h", KEY))  # its backward takes it
+    assert cache.hits == 1 and graph_tensors() == before
     backend.shutdown()

@@ -100,7 +100,7 @@ class ActivationCache:
     ) -> bool:  # fmt: skip
         """Keep a forward's graphs; False when they cannot fit (then nothing is kept). A key the peer used before
         is replaced."""
-        self._expire()
+        self.expire()
         self._drop(KeptKey(peer, key))
         nbytes = sum(graph.nbytes for graph in graphs)
         host_cap = self.cap
@@ -119,7 +119,7 @@ class ActivationCache:
     ) -> list[BlockGraph] | None:
         """The graphs `peer` kept under `key` if they are of exactly this backward's forward (they are dropped
         either way: a graph runs one backward), else None."""
-        self._expire()
+        self.expire()
         kept = self._drop(KeptKey(peer, key))
         if kept is None or not kept.matches(start, end, adapter, inputs):
             self.misses += 1
@@ -147,11 +147,16 @@ class ActivationCache:
                 excess -= kept.nbytes
                 self.evicted += 1
 
-    def _expire(self) -> None:
+    def expire(self) -> int:
+        """Drop the graphs no backward took within ttl_s (the server also calls this while no request comes, so
+        what forwards left behind is freed); how many."""
+        dropped = 0
         deadline = self.clock() - self.ttl_s
         while self._entries:
             key, oldest = next(iter(self._entries.items()))
             if oldest.created > deadline:
-                return
+                return dropped
             self._drop(key)
             self.evicted += 1
+            dropped += 1
+        return dropped

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import time
@@ -91,6 +92,12 @@ class SpanBackend:
             join=joinable,
         )  # fmt: skip
         return result
+
+    async def expire_kept(self) -> int:
+        """Free the kept graphs whose backward did not come in time (on the compute thread, which alone changes the
+        cache); how many were dropped."""
+        dropped: int = await asyncio.get_running_loop().run_in_executor(self._executor, self.activations.expire)
+        return dropped
 
     def _run_joined(
         self, requests: list[JoinableRequest]

@@ -78,6 +78,23 @@ class Chunk:
     present: KeysValues | None  # its own keys/values, read by later chunks (None: the block's only chunk)
 
 
+class Storages(dict[int, int]):
+    """What a graph holds, storage address -> bytes, counted by a saved-tensor hook.
+
+    A graph freed (taken by its backward, evicted, expired) must free its memory with it, so the hook makes no
+    reference cycle through autograd's C++ nodes, which the garbage collector cannot see: it is this object, not a
+    method of the graph (autograd keeps the hook alive with every tensor saved under it), and what it packs is the
+    tensor detached (a node saving its own output would otherwise hold the output, whose grad_fn is that node)."""
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Count a tensor the graph holds; its data, packed for the backward. Frozen weights, which neither require
+        grad nor come from a computation that does, are not the graph's."""
+        if tensor.requires_grad or tensor.grad_fn is not None:
+            storage = tensor.untyped_storage()
+            self[storage.data_ptr()] = storage.nbytes()
+        return tensor.detach()
+
+
 @dataclass
 class BlockGraph:
     """A block's forward under autograd, as chunks, with the leaves its request's own weights entered as."""
@@ -85,21 +102,13 @@ class BlockGraph:
     prompt: torch.Tensor | None  # leaf: the block's deep prompt, (1, prefix, hidden)
     lora: LoraWeights | None  # the block's LoRA weights, their flat tensor a leaf
     chunks: list[Chunk] = field(default_factory=list)
-    storages: dict[int, int] = field(default_factory=dict)  # what the graph holds: storage address -> bytes
+    storages: Storages = field(default_factory=Storages)  # what the graph holds: storage address -> bytes
 
     @property
     def nbytes(self) -> int:
         """Memory the graph holds: the activations autograd saved for the backward and the outputs (each storage
         once; not the frozen weights)."""
         return sum(self.storages.values())
-
-    def hold(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Count a tensor the graph holds (a saved-tensor hook: returns it unchanged). Frozen weights, which
-        neither require grad nor come from a computation that does, are not the graph's."""
-        if tensor.requires_grad or tensor.grad_fn is not None:
-            storage = tensor.untyped_storage()
-            self.storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
 
 
 def chunk_stop(begin: int, seq: int, rows: int, budget: int | None) -> int:
@@ -143,9 +152,9 @@ def forward_block_graph(
     while begin < seq or not graph.chunks:
         budget = yield
         stop = chunk_stop(begin, seq, rows, budget)
-        with spent, torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(graph.hold, _unpacked):
+        with spent, torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(graph.storages, _unpacked):
             chunk, past = _graph_chunk(call, block, hidden, begin, stop, past, graph)
-        graph.hold(chunk.output)
+        graph.storages(chunk.output)
         graph.chunks.append(chunk)
         begin = stop
     if len(graph.chunks) == 1:

@@ -352,6 +352,9 @@ class Server:
                 return
             if loop.time() >= next_announce:
                 await self._announce(ServerState.ONLINE)
+                # graphs kept for backwards that never came are freed even when no request arrives to evict them
+                if self.backend is not None and (dropped := await self.backend.expire_kept()):
+                    logger.info("Dropped %d kept forward graph(s) whose backward did not come", dropped)
                 next_announce = loop.time() + cfg.announce_interval_s
             if loop.time() >= next_check:
                 try:
