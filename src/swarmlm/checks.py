@@ -262,6 +262,7 @@ CLIENT_CHECKS: dict[str, Check] = {
     "swarm_key": _swarm_key,
     "wire_dtype": _wire_dtype,
     "ping_timeout_s": _in(POSITIVE),
+    "connect_timeout_s": _in(POSITIVE),
     "explore_interval_s": _in(NON_NEGATIVE),
     "routing": _routing,
 }

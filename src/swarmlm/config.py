@@ -263,6 +263,9 @@ class ClientConfig:
     ping_timeout_s: float = option(
         2.0, "servers not yet called get one timed rpc_info before routing; longer = this far"
     )
+    connect_timeout_s: float = option(
+        5.0, "longest a first connection to a server may take; one that fails is avoided, not retried at once"
+    )
     explore_interval_s: float = option(
         30.0, "at most one route per this many s tries a server never measured (0: never)"
     )

@@ -58,6 +58,11 @@ class RemoteCallError(SwarmError):
         super().__init__(message if peer_id is None else f"{message} (peer ...{peer_id[-6:]})")
 
 
+class UnreachableError(RemoteCallError):
+    """A server could not be connected to at the addresses it announced (an announcement is a claim: anyone can
+    publish one): it costs one short dial and is then avoided, without using up the request's retries."""
+
+
 class BadRequestError(RemoteCallError):
     """A server rejected the request itself as invalid: retrying on another server would not help."""
 

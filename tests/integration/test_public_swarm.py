@@ -7,23 +7,37 @@ Hosts are loopback addresses: a p2pd listening on 127.0.0.x dials from it, so th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
+import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import base58
+import hivemind
 import pytest
 import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
+from hivemind.dht.validation import DHTRecord
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
+from hivemind.utils import MSGPackSerializer, get_dht_time
 
+from swarmlm.api.monitor import Monitor
 from swarmlm.client.loop import LoopThread
+from swarmlm.models.naming import model_name
 from swarmlm.protocol import service
 from swarmlm.protocol.codec import encode, read_message
 from swarmlm.protocol.messages import ForwardRequest, ReplyHeader
+from swarmlm.swarm.identity import SIGNATURE_MARK, PeerIdSignatureValidator, _signed_bytes, peer_id_bytes
+from swarmlm.swarm.records import servers_key
 from swarmlm.tools.local_swarm import LocalSwarm
 from tests.conftest import LOGITS_ATOL, connected_model, load_reference, running_swarm
 from tests.integration.test_fair_hosts import rss_mb, server_maddrs
+from tests.integration.test_routing_modes import add_rated
 
 ACTIVATION_CACHE_MB = 160  # so a host may keep 80 MB of graphs
 KEEP_ROWS, KEEP_SEQ = 16, 256  # a 4,096-token training forward: ~63 MB of graphs over the tiny model's 5 blocks
@@ -126,3 +140,154 @@ def test_training_forwards_whose_backward_never_comes_stay_within_the_activation
     assert peak - before < ACTIVATION_CACHE_MB + MARGIN_MB
     assert after - before < ACTIVATION_CACHE_MB + MARGIN_MB
     honest_forward_is_exact(swarm, tiny_model_dir)
+
+
+class ManyKeys(PeerIdSignatureValidator):
+    """An attacker's validator holding many keys (they are free): each record is validly signed by the key of the
+    peer id it is stored under."""
+
+    def __init__(self, keys: list[Ed25519PrivateKey]):
+        super().__init__(keys[0])
+        self._seeds = {base58.b58encode(peer_id_bytes(key)).decode(): key.private_bytes(
+            Encoding.Raw, PrivateFormat.Raw, NoEncryption()) for key in keys}  # fmt: skip
+
+    def sign_value(self, record: DHTRecord) -> bytes:
+        seed = self._seeds.get(MSGPackSerializer.loads(record.subkey))
+        if seed is None:
+            return record.value
+        return record.value + SIGNATURE_MARK + Ed25519PrivateKey.from_private_bytes(seed).sign(_signed_bytes(record))
+
+
+@contextlib.contextmanager
+def silent_port() -> Iterator[int]:
+    """A TCP port that takes connections and never says a word (a peer that answers slowly: forever)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(256)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError, OSError):
+                held.append(listener.accept()[0])
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield listener.getsockname()[1]
+    finally:
+        stop.set()
+        thread.join()
+        for each in [listener, *held]:
+            each.close()
+
+
+def closed_port() -> int:
+    """A TCP port nothing listens on (connections are refused at once)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+FAKE_KEYS = 13
+FAKE_CLIENTS = 4  # fresh clients, each meeting every fake record for the first time
+
+
+# what honest servers announce: a real model's speed on a CPU (the tiny model's own would make any claim look slow)
+HONEST_TOKENS_PER_S = 2000.0
+
+
+@pytest.fixture(scope="module")
+def two_spans(tiny_model_dir: Path) -> Iterator[LocalSwarm]:
+    with LocalSwarm(str(tiny_model_dir)) as swarm:
+        swarm.wait_ready([add_rated(swarm, 0, 3, HONEST_TOKENS_PER_S), add_rated(swarm, 3, 5, HONEST_TOKENS_PER_S)])
+        yield swarm
+
+
+def store_fakes(swarm: LocalSwarm, key: str, keys: list[Ed25519PrivateKey], silent: int) -> hivemind.DHT:
+    """Validly signed records of `keys`, each announcing blocks of the model at a speed no server has, at an
+    address that refuses connections or (every other one) takes them and never answers."""
+    honest = swarm.dht.get(key, latest=True).value
+    template = next(iter(honest.values())).value
+    attacker = hivemind.DHT(initial_peers=swarm.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True,
+                            record_validators=[ManyKeys(keys)], nat_port_map=False, auto_nat=False, use_relay=False,
+                            use_auto_relay=False)  # fmt: skip
+    for i, fake in enumerate(keys):
+        peer = base58.b58encode(peer_id_bytes(fake)).decode()
+        port = silent if i % 2 else closed_port()
+        start, end = [(0, 5), (0, 3), (3, 5), (0, 1), (1, 5)][i % 5]
+        record = {**template, "start": start, "end": end, "throughput": 1e9, "inference_throughput": 1e9,
+                  "addrs": [f"/ip4/127.0.0.1/tcp/{port}/p2p/{peer}"], "cache_tokens_left": 10**9,
+                  "sessions_open": 0, "queue_depth": 0.0}  # fmt: skip
+        assert attacker.store(key, record, get_dht_time() + 600, subkey=peer)
+    assert len(swarm.dht.get(key, latest=True).value) >= len(honest) + len(keys)  # the swarm lists them all
+    return attacker
+
+
+@pytest.mark.parametrize("use_push", [True, False], ids=["push", "no-push"])
+def test_fake_records_of_many_keys_never_make_a_client_give_up(
+    two_spans: LocalSwarm, tiny_model_dir: Path, use_push: bool
+) -> None:
+    """Clients new to the swarm and one that measured the honest servers before the fakes came (exploring often,
+    so it tries unmeasured servers) all succeed, exactly, every time, each fake costing them one short wait."""
+    swarm = two_spans
+    key = servers_key(swarm.dht_prefix or model_name(str(tiny_model_dir)).swarm)
+    reference = load_reference(tiny_model_dir)
+    ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        expected_logits = reference(ids).logits
+        expected_tokens = reference.generate(ids[:1], max_new_tokens=6, do_sample=False)
+
+    def exact(model: torch.nn.Module) -> None:
+        assert (model(ids).logits - expected_logits).abs().max().item() <= LOGITS_ATOL
+        assert torch.equal(model.generate(ids[:1], max_new_tokens=6, do_sample=False), expected_tokens)
+
+    with contextlib.ExitStack() as stack:
+        options = dict(use_push=use_push, swarm_refresh_interval_s=0.5, explore_interval_s=0.5)
+        veteran = stack.enter_context(connected_model(tiny_model_dir, swarm, **options))
+        exact(veteran)
+        silent = stack.enter_context(silent_port())
+        attacker = store_fakes(swarm, key, [Ed25519PrivateKey.generate() for _ in range(FAKE_KEYS)], silent)
+        stack.callback(attacker.shutdown)
+        time.sleep(1.0)  # the veteran's view now holds the fakes
+        assert len(veteran.model.layers.client.manager.servers) >= len(swarm.servers) + FAKE_KEYS
+        for round in range(FAKE_CLIENTS):
+            began = time.monotonic()
+            with connected_model(tiny_model_dir, swarm, use_push=use_push) as model:
+                exact(model)
+            new_s = time.monotonic() - began
+            began = time.monotonic()
+            exact(veteran)
+            time.sleep(0.5)  # a time to explore again
+            print(f"\n{FAKE_KEYS} fake records, round {round}: a new client's forward and generation took "
+                  f"{new_s:.1f} s, the veteran's {time.monotonic() - began:.1f} s")  # fmt: skip
+
+
+def test_a_signed_record_beyond_the_models_blocks_is_not_listed(two_spans: LocalSwarm, tiny_model_dir: Path) -> None:
+    """A record claiming blocks 0:9 of the 5-block model neither reaches a client's routes nor makes the swarm's
+    status show blocks 5-8 missing."""
+    swarm = two_spans
+    key = servers_key(swarm.dht_prefix or model_name(str(tiny_model_dir)).swarm)
+    liar = Ed25519PrivateKey.generate()
+    peer = base58.b58encode(peer_id_bytes(liar)).decode()
+    template = next(iter(swarm.dht.get(key, latest=True).value.values())).value
+    attacker = hivemind.DHT(initial_peers=swarm.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True,
+                            record_validators=[ManyKeys([liar])], nat_port_map=False, auto_nat=False, use_relay=False,
+                            use_auto_relay=False)  # fmt: skip
+    loop = LoopThread()
+    monitor = Monitor(swarm.dht)
+    try:
+        assert attacker.store(key, {**template, "start": 0, "end": 9}, get_dht_time() + 600, subkey=peer)
+        assert peer in swarm.dht.get(key, latest=True).value  # valid as a record: signed by its owner
+        (model,) = [m for m in loop.run(monitor.snapshot())["models"] if m["dht_prefix"] == key.rsplit(".", 1)[0]]
+        assert model["num_blocks"] == 5 and model["complete"], model
+        assert peer not in {row["peer_id"] for row in model["servers"]}
+        with connected_model(tiny_model_dir, swarm) as client:
+            assert peer not in client.model.layers.client.manager.servers
+            assert set(client.model.layers.client.manager.servers) >= {server.peer_id for server in swarm.servers}
+    finally:
+        loop.run(monitor.close())
+        loop.close()
+        attacker.shutdown()

@@ -4,17 +4,22 @@ the user's results stay equal to a local run; honest servers are never convicted
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from swarmlm.models.naming import model_name
+from swarmlm.swarm.records import servers_key
 from swarmlm.tools.local_swarm import LocalSwarm
 from tests.conftest import LOGITS_ATOL, connected_model, load_reference, running_swarm
 from tests.integration.hostile_server import PERTURBED_LINE
 from tests.integration.test_client_resilience import Hostile, add_hostile, manager_of
+from tests.integration.test_public_swarm import FAKE_KEYS, silent_port, store_fakes
 
 # honest requests (varied shapes) during which no honest server may be convicted at the default tolerance
 HONEST_REQUESTS = 200
@@ -24,8 +29,9 @@ SOMETIMES_BOUND = 40
 # fresh sessions, routed at random among the three servers, until one meets the hostile server: it serves a third of
 # them (and checks some of the others), so 30 sessions all miss it with probability below (2/3)^30 < 1e-5
 SESSIONS_TO_MEET = 30
-# routes drawn at random among all three servers (measured costs alone may keep a client off one of them for good)
-SPREAD = dict(route_tie_tolerance=100.0, route_stickiness=0.0)
+# routes drawn at random among all three servers, none preferred for having served last (measured costs alone may keep
+# a client off one of them for good: a server it never called counts as no cheaper than those it did)
+SPREAD = dict(route_tie_tolerance=100.0, route_stickiness=0.0, sticky_route_s=0.0)
 # servers re-announce every 10 s: a client whose first DHT read missed one sees it within a few refreshes
 SEEN_WITHIN_S = 60.0
 
@@ -146,3 +152,27 @@ def test_a_server_tampering_in_sessions_is_caught_and_replaced(tiny_model_dir: P
         else:
             pytest.fail(f"none of {SESSIONS_TO_MEET} sessions went through the hostile server")
         assert manager_of(model).health.distrusted(hostile.peer_id)
+
+
+def test_a_tampering_server_among_fake_records_costs_a_ban_not_an_error(
+    tiny_model_dir: Path, reference, swarm
+) -> None:
+    """Fake announcements of many keys (the cheapest route on paper, never answering) beside a server that lies: the
+    checks' independent routes skip the fakes, the liar is convicted and routed around, and every result is exact.
+    (Last in this module: the fake records stay in the DHT for the rest of its swarm's life.)"""
+    local, hostile = swarm
+    hostile.set("perturb")
+    key = servers_key(local.dht_prefix or model_name(str(tiny_model_dir)).swarm)
+    with contextlib.ExitStack() as stack:
+        silent = stack.enter_context(silent_port())
+        attacker = store_fakes(local, key, [Ed25519PrivateKey.generate() for _ in range(FAKE_KEYS)], silent)
+        stack.callback(attacker.shutdown)
+        for round in range(3):
+            with connected_model(tiny_model_dir, local, verify_probability=1.0, **SPREAD) as model:
+                _see_every_server(model, local)
+                for i in range(4):
+                    ids = _ids(4000 + 10 * round + i)
+                    assert (model(ids).logits - _local(reference, ids)).abs().max().item() <= LOGITS_ATOL
+                health = manager_of(model).health
+                assert not any(health.distrusted(s.peer_id) for s in local.servers if s is not hostile.server)
+        assert hostile.count(PERTURBED_LINE) >= 1, "the hostile server was never used"

@@ -52,6 +52,40 @@ def test_an_absurd_announcement_does_not_take_routes_once_measured() -> None:
         assert find_route(view.views(health), 0, 4, tokens=tokens, rng=rng)[0].peer_id == "honest"
 
 
+@pytest.mark.parametrize("policy", ["latency", "throughput"])
+def test_what_was_never_measured_never_outranks_what_was(policy: str) -> None:
+    """Thirteen records of free keys claim a billion tokens/s (the median claim, so not even bounded): once the client
+    measured the honest servers, the fakes count as no faster and no nearer than the slowest and farthest of them,
+    so no route prefers them, whatever the policy or request size."""
+    view = SwarmView(ServerFilter.of("fp", DTYPES))
+    fakes = {f"fake{i}": _record(throughput=1e9) for i in range(13)}
+    view.update({**fakes, "a": _record(throughput=800.0), "b": _record(0, 2, throughput=900.0)})
+    health = Health(1.0, 60.0)
+    health.record_success("a", 0.3, work=4 * 8)
+    health.record_success("b", 0.1, work=2 * 8)
+    views = {v.peer_id: v for v in view.views(health)}
+    slowest = min(views["a"].throughput, views["b"].throughput)
+    farthest = max(views["a"].latency_s or 0.0, views["b"].latency_s or 0.0)
+    for fake in fakes:
+        assert views[fake].throughput <= slowest and (views[fake].latency_s or 0.0) >= farthest
+    for tokens in (1, 64, 1024):
+        route = find_route(list(views.values()), 0, 4, tokens=tokens, policy=policy)
+        assert {span.peer_id for span in route} <= {"a", "b"}
+
+
+def test_a_server_that_does_not_answer_a_ping_is_avoided_and_never_explored_until_it_answers() -> None:
+    health = Health(1.0, 60.0)
+    assert health.answered("x")
+    assert health.record_unanswered_ping("x", 2.0) == 1.0  # banned like a failure
+    assert "x" in health.banned() and not health.answered("x") and health.knows_latency("x")
+    assert health.unreachable("x") == 2.0  # and again: the ban doubles
+    health.record_ping("x", 0.01)
+    assert health.answered("x")
+    health.unreachable("y")
+    health.record_success("y", 0.1, work=1)
+    assert health.answered("y") and "y" not in health.banned()
+
+
 def test_bans_double_and_clear_on_success() -> None:
     health = Health(1.0, 3.0)
     assert [health.ban("a") for _ in range(4)] == [1.0, 2.0, 3.0, 3.0]

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -59,16 +60,18 @@ class Monitor:
     async def _read(self) -> dict[str, Any]:
         async with asyncio.timeout(DHT_TIMEOUT_S):
             catalog = await fetch_catalog(self.dht)
-        models: dict[str, tuple[str, int]] = {}  # dht prefix -> (model name, blocks)
+        models: dict[str, tuple[str, Counter[int]]] = {}  # dht prefix -> (model name, its entries' block counts)
         for entry in catalog.values():
             # servers name their model by its display name; older ones sent what they were given, maybe a path
             shown = name_from_identity(entry.model).display
-            name, blocks = models.get(entry.dht_prefix, (shown, 0))
-            models[entry.dht_prefix] = (name, max(blocks, entry.num_blocks))
+            name, counts = models.setdefault(entry.dht_prefix, (shown, Counter()))
+            counts[entry.num_blocks] += 1
         described = []
-        for prefix, (name, num_blocks) in sorted(models.items()):
+        for prefix, (name, counts) in sorted(models.items()):
+            # entries are claims: the count most of them give (the smaller on a tie), not the largest any gives
+            num_blocks = min(counts, key=lambda blocks: (-counts[blocks], blocks))
             async with asyncio.timeout(DHT_TIMEOUT_S):
-                records = await fetch_servers(self.dht, prefix)
+                records = await fetch_servers(self.dht, prefix, num_blocks)
             reachable = await self._probe(records)
             described.append(describe_model(name, prefix, num_blocks, records, reachable, self._seen))
         return {"generated_at": time.time(), "refresh_s": REFRESH_S, "models": described, "client": self.client()}
@@ -110,8 +113,9 @@ def describe_model(
     reachable: dict[str, bool],
     seen: dict[str, float],
 ) -> dict[str, Any]:
-    """One model of the snapshot: coverage per block by the online servers that answer, and the server table."""
-    num_blocks = max([num_blocks, *(record.end for record in records.values())])
+    """One model of the snapshot: coverage per block by the online servers that answer, and the server table (records
+    beyond the model's blocks are left out)."""
+    records = {peer: record for peer, record in records.items() if record.end <= num_blocks}
     servers_per_block, throughput = [0] * num_blocks, [0.0] * num_blocks
     rows = []
     now = time.time()

@@ -13,7 +13,7 @@ from swarmlm.client import trace
 from swarmlm.client.sequence_manager import SequenceManager
 from swarmlm.client.span_call import Expected, Expects, RerouteError, call_span
 from swarmlm.client.verify import Opinion, settle
-from swarmlm.errors import BadRequestError, MissingBlocksError, RemoteCallError
+from swarmlm.errors import BadRequestError, MissingBlocksError, RemoteCallError, UnreachableError
 from swarmlm.protocol.bundle import ReplyTensors, SpanTensors
 from swarmlm.protocol.lora import LoraWeights
 from swarmlm.protocol.messages import BackwardRequest, ForwardRequest
@@ -57,6 +57,9 @@ class RetryBudget:
     - "bad_request" from one server: maybe that server is wrong, so another server is asked. The request is the
       user's error (BadRequestError) only once two different servers refused it, or when no other server can run
       the span (then that server's message is raised).
+    - "unreachable" (the server could not be connected to at the addresses it announced): it is banned with
+      exponential backoff and avoided for the rest of this request, without counting as a failure: announcements are
+      strangers' claims, and any number of fake ones must cost a request one short dial each, not its retries.
     - anything else (server errors, transport errors, timeouts, malformed or non-finite replies): the server is banned
       with exponential backoff and the request is re-routed.
     """
@@ -79,9 +82,13 @@ class RetryBudget:
 
     def failed(self, span: RouteSpan, error: RemoteCallError, tokens: int = 1) -> None:
         """Account for a failed call of `span` and raise when the request cannot go on."""
-        self.failures += 1
         trace.record_retry()
         peer = span.peer_id
+        if isinstance(error, UnreachableError):
+            self.avoid.add(peer)  # never again in this request: so this happens at most once per server
+            self.manager.unreachable(peer, error)
+            return
+        self.failures += 1
         if isinstance(error, BadRequestError):
             self._refused_by.add(peer)
             self.avoid.add(peer)

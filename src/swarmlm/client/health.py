@@ -78,6 +78,9 @@ class Health:
         self._cool_downs: dict[str, float] = {}  # peer -> avoided until (busy: not a failure, never escalates)
         self._distrusted: set[str] = set()  # caught returning wrong results: never used again by this client
         self._pings: dict[str, float] = {}  # peer -> last timed rpc_info round trip, for servers never called
+        # servers that could not be connected to or did not answer a ping, since they last answered: their records
+        # may be anyone's claims, so routes are not sent to try them (exploration skips them)
+        self._unanswered: set[str] = set()
 
     def ban(self, peer_id: str) -> float:
         """Ban a failed server; each further failure doubles the ban (up to ban_max_s). Returns its length in s."""
@@ -85,6 +88,15 @@ class Health:
         duration = ban_seconds(failures, self.ban_base_s, self.ban_max_s)
         self._bans[peer_id] = (time.monotonic() + duration, failures)
         return duration
+
+    def unreachable(self, peer_id: str) -> float:
+        """A server did not answer a dial or a ping: banned like a failure, and not explored until it answers."""
+        self._unanswered.add(peer_id)
+        return self.ban(peer_id)
+
+    def answered(self, peer_id: str) -> bool:
+        """Whether the server answered since it last failed to (every server counts as answering until it fails)."""
+        return peer_id not in self._unanswered
 
     def distrust(self, peer_id: str) -> None:
         """Never route through this server again (it returned a wrong result); a success does not lift this."""
@@ -107,6 +119,7 @@ class Health:
         """A call of `work` block-tokens to `peer_id` took `seconds` in total, as measured by this client."""
         self._bans.pop(peer_id, None)
         self._cool_downs.pop(peer_id, None)
+        self._unanswered.discard(peer_id)
         self.observe(peer_id, seconds, work)
 
     def observe(self, peer_id: str, seconds: float, work: float) -> None:
@@ -146,6 +159,13 @@ class Health:
         """A round trip without compute (a timed rpc_info) took `seconds`: the latency of a server not yet called."""
         if math.isfinite(seconds) and seconds >= 0:
             self._pings[peer_id] = seconds
+            self._unanswered.discard(peer_id)
+
+    def record_unanswered_ping(self, peer_id: str, timeout_s: float) -> float:
+        """A ping (or the dial before it) failed within timeout_s: the server counts as that far once its ban is
+        over, so it is not pinged before every route. Returns the ban's length."""
+        self._pings[peer_id] = timeout_s
+        return self.unreachable(peer_id)
 
     def has_measured(self, peer_id: str) -> bool:
         """Whether this client timed calls of the server (pings do not count)."""

@@ -2,8 +2,9 @@
 
 Routing costs a hop by the round trip this client measured to the server (client/health.py). Before its first call
 to a server the client knows nothing, so a far replica would be as likely as a near one; a cheap rpc_info call timed
-by the client's clock tells them apart before the first route is chosen. A server that does not answer in time is
-recorded as that far away (and its failure is left to the real calls).
+by the client's clock tells them apart before the first route is chosen. A server that cannot be
+connected to or does not answer in time is banned as unreachable (announcements are anyone's claims: a fake one must
+cost one short wait, not a request's retries), and counts as that far away once the ban is over.
 """
 
 from __future__ import annotations
@@ -39,17 +40,23 @@ async def measure_all(
     p2p: P2P,
     timeout_s: float,
     record: Callable[[str, float], None],
+    unanswered: Callable[[str], None],
 ) -> None:
-    """Time one rpc_info of each peer concurrently (after connecting to it) and record(peer, seconds)."""
+    """Time one rpc_info of each peer concurrently (after connecting to it) and record(peer, seconds); a peer that
+    cannot be connected to or does not answer within timeout_s is unanswered(peer)."""
 
     async def one(peer_id: str) -> None:
         try:
             async with asyncio.timeout(timeout_s):
                 peer = await connect(peer_id)
-        except Exception as e:  # noqa: BLE001 - an unreachable server is recorded as far; real calls judge it
+        except Exception as e:  # noqa: BLE001 - whatever fails, the server did not answer
             logger.debug("Connecting to ...%s failed: %r", peer_id[-6:], e)
-            record(peer_id, timeout_s)
+            unanswered(peer_id)
             return
-        record(peer_id, await time_info_call(p2p, peer, timeout_s))
+        seconds = await time_info_call(p2p, peer, timeout_s)
+        if seconds >= timeout_s:
+            unanswered(peer_id)
+        else:
+            record(peer_id, seconds)
 
     await asyncio.gather(*(one(peer) for peer in peers))

@@ -8,7 +8,7 @@ import random
 import time
 from collections.abc import Collection, Iterable
 
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import P2P, P2PDaemonError, PeerID
 from hivemind.utils import get_dht_time
 
 from swarmlm.client.health import Health
@@ -17,7 +17,7 @@ from swarmlm.client.swarm_view import ServerFilter, SwarmView
 from swarmlm.client.verify import Verifier
 from swarmlm.client.wire import wire_dtype_of
 from swarmlm.config import ClientConfig
-from swarmlm.errors import MissingBlocksError, RemoteCallError
+from swarmlm.errors import MissingBlocksError, RemoteCallError, UnreachableError
 from swarmlm.net.dialing import Dialer
 from swarmlm.swarm import private, reports
 from swarmlm.swarm.dht import ParentBoundDHT, is_loopback_maddr, start_dht
@@ -42,6 +42,12 @@ def fitting_tokens(spans: Iterable[tuple[int, int, int | None]], start: int, end
             best[block] = max(best.get(block, 0), float("inf") if limit is None else limit)
     smallest = min(best.values(), default=float("inf"))
     return None if smallest == float("inf") else int(smallest)
+
+
+def _first_line(error: BaseException) -> str:
+    """An error's first line (p2pd lists every address it dialled, one per line)."""
+    text = str(error).strip() or type(error).__name__
+    return text.splitlines()[0]
 
 
 class SequenceManager:
@@ -73,7 +79,7 @@ class SequenceManager:
         # what routes minimize (config.routing, checked here): for batch work, and for routes opening sessions
         self.batch_policy = policy_for(config.routing, inference=False)
         self.session_policy = policy_for(config.routing, inference=True)
-        self._dialer = Dialer(config.request_timeout_s)
+        self._dialer = Dialer(min(config.request_timeout_s, config.connect_timeout_s))
         self._joined: set[str] = set()  # servers of a private swarm this client proved its membership to
         self._rng = random.Random()
         self._last_used: dict[str, float] = {}  # peer -> when a route last went through it (monotonic s)
@@ -111,7 +117,7 @@ class SequenceManager:
     async def refresh(self) -> None:
         try:
             async with asyncio.timeout(self.config.dht_timeout_s):
-                records = await fetch_servers(self.dht, self.dht_prefix)
+                records = await fetch_servers(self.dht, self.dht_prefix, self.num_blocks)
         except Exception as e:  # noqa: BLE001 - a failed refresh keeps the previous view; the next one retries
             logger.warning("Reading the swarm from the DHT failed: %s", repr(e))
             return
@@ -212,7 +218,13 @@ class SequenceManager:
         unknown = [peer for peer, r in self.servers.items()
                    if r.start < end and r.end > start and not self.health.knows_latency(peer)]  # fmt: skip
         if unknown:
-            await measure_all(unknown, self.ensure_connected, self.p2p, timeout_s, self.health.record_ping)
+            await measure_all(unknown, self.ensure_connected, self.p2p, timeout_s, self.health.record_ping,
+                              self._unanswered_ping)  # fmt: skip
+
+    def _unanswered_ping(self, peer_id: str) -> None:
+        duration = self.health.record_unanswered_ping(peer_id, self.config.ping_timeout_s)
+        self._forget(peer_id)
+        logger.info("Server ...%s did not answer a ping; avoiding it for %.1f s", peer_id[-6:], duration)
 
     def _find(
         self,
@@ -255,9 +267,11 @@ class SequenceManager:
         interval = self.config.explore_interval_s
         if interval <= 0 or time.monotonic() - self._explored_at < interval:
             return None
+        health = self.health
         unknown = [
             v for v in views
-            if v.peer_id not in banned and not self.health.has_measured(v.peer_id) and v.start < end and v.end > start
+            if v.peer_id not in banned and not health.has_measured(v.peer_id) and health.answered(v.peer_id)
+            and v.start < end and v.end > start
         ]  # fmt: skip
         if not unknown:
             return None
@@ -274,10 +288,20 @@ class SequenceManager:
     def ban(self, peer_id: str, reason: object) -> None:
         """Avoid a failed server for a while; each further failure doubles the ban (up to ban_max_s)."""
         duration = self.health.ban(peer_id)
+        self._forget(peer_id)
+        logger.warning("Server ...%s failed (%s); avoiding it for %.1f s", peer_id[-6:], reason, duration)
+
+    def unreachable(self, peer_id: str, reason: object) -> None:
+        """Avoid a server that could not be connected to, like a failed one (its record may be a stranger's claim:
+        one line at INFO, not a warning per fake record)."""
+        duration = self.health.unreachable(peer_id)
+        self._forget(peer_id)
+        logger.info("Server ...%s is unreachable (%s); avoiding it for %.1f s", peer_id[-6:], reason, duration)
+
+    def _forget(self, peer_id: str) -> None:
         self._dialer.forget(peer_id)
         self._joined.discard(peer_id)  # a restarted server forgot us: join again
         self._last_used.pop(peer_id, None)  # once its ban is over, a failed server earns no stickiness
-        logger.warning("Server ...%s failed (%s); avoiding it for %.1f s", peer_id[-6:], reason, duration)
 
     def convict(self, peers: tuple[str, ...], reason: str, start: int, end: int) -> None:
         """Servers whose result lost a spot check: this client never uses them again, and reports a lone culprit
@@ -320,7 +344,12 @@ class SequenceManager:
         peer = PeerID.from_base58(peer_id)
         record = self.servers.get(peer_id)
         if record is not None:
-            await self._dialer.ensure_connected(self.p2p, peer, record.addrs)
+            try:
+                await self._dialer.ensure_connected(self.p2p, peer, record.addrs)
+            except (TimeoutError, P2PDaemonError, ConnectionError, OSError) as e:
+                raise UnreachableError(
+                    f"connecting to its announced addresses failed: {_first_line(e)}", peer_id
+                ) from e
         key = self.config.swarm_key
         if key is not None and peer_id not in self._joined:
             if not await private.join(self.p2p, peer, key, self.config.request_timeout_s):

@@ -7,13 +7,14 @@ version, computes in an accepted dtype and passes the allow/block lists. Rejecti
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from swarmlm.client.health import Health
 from swarmlm.protocol.messages import PROTOCOL_VERSION
 from swarmlm.swarm.records import ServerRecord, ServerState
-from swarmlm.swarm.routing import ServerView, bounded_priors
+from swarmlm.swarm.routing import DEFAULT_LATENCY_S, ServerView, bounded_priors
 
 logger = logging.getLogger(__name__)
 
@@ -98,14 +99,24 @@ class SwarmView:
         self.servers = usable
 
     def views(self, health: Health) -> list[ServerView]:
-        """Routing views: this client's measurements where it has them, else the announced speed, bounded."""
+        """Routing views: this client's measurements where it has them, else the announced speed, bounded.
+
+        What this client has not measured never outranks what it has: a server it never called counts as no faster
+        than the slowest server it called, and no nearer than the farthest (announcements are anyone's claims, and
+        fake ones cost nothing to make; a faster newcomer is found by exploration, then by its measured calls)."""
         peers = list(self.servers)
         priors = bounded_priors([self.servers[p].throughput for p in peers])
+        known = {peer: health.measured(peer, prior) for peer, prior in zip(peers, priors, strict=True)}
+        called = [measured for peer, measured in known.items() if measured is not None and health.has_measured(peer)]
+        slowest = min((throughput for _, throughput in called), default=math.inf)
+        farthest = max((latency for latency, _ in called), default=0.0)
         views = []
         for peer_id, prior in zip(peers, priors, strict=True):
-            record = self.servers[peer_id]
-            measured = health.measured(peer_id, prior)
+            record, measured = self.servers[peer_id], known[peer_id]
             latency_s, throughput = (None, prior) if measured is None else measured
+            if not health.has_measured(peer_id) and called:
+                throughput = min(throughput, slowest)
+                latency_s = max(DEFAULT_LATENCY_S if latency_s is None else latency_s, farthest)
             views.append(ServerView(peer_id, record.start, record.end, throughput, latency_s, announced_load(record)))
         return views
 

@@ -213,7 +213,7 @@ class Server:
     async def _read_swarm(self) -> Mapping[str, ServerRecord]:
         if self.dht is None:
             raise RuntimeError("the server's DHT is started by run()")
-        return await fetch_servers(self.dht, self.dht_prefix)
+        return await fetch_servers(self.dht, self.dht_prefix, self.num_blocks_total)
 
     def _cache_tokens_left(self) -> int:
         budget = self.budget

@@ -81,8 +81,9 @@ async def announce(dht: hivemind.DHT, dht_prefix: str, peer_id: str, record: Ser
     return await store_subkey(dht, servers_key(dht_prefix), peer_id, record.model_dump(mode="json"), ttl_s)
 
 
-async def fetch_servers(dht: hivemind.DHT, dht_prefix: str) -> dict[str, ServerRecord]:
-    """All unexpired, readable server records of this model, keyed by peer id (base58)."""
+async def fetch_servers(dht: hivemind.DHT, dht_prefix: str, num_blocks: int | None = None) -> dict[str, ServerRecord]:
+    """All unexpired, readable server records of this model, keyed by peer id (base58); given the model's number of
+    blocks, without records claiming blocks it does not have (a lie that would make the swarm look incomplete)."""
     found = await dht.get(servers_key(dht_prefix), latest=True, return_future=True)
     if found is None or not isinstance(found.value, dict):
         return {}
@@ -94,7 +95,13 @@ async def fetch_servers(dht: hivemind.DHT, dht_prefix: str) -> dict[str, ServerR
             logger.debug("Ignoring a record under %r: not an Ed25519 peer id", str(peer_id)[:60])
             continue
         try:
-            records[peer_id] = ServerRecord.model_validate(entry.value)
+            record = ServerRecord.model_validate(entry.value)
         except (ValidationError, AttributeError, TypeError, ValueError) as e:
             logger.debug("Ignoring unreadable record of %s: %s", peer_id, e)
+            continue
+        if num_blocks is not None and record.end > num_blocks:
+            logger.debug("Ignoring the record of %s: blocks %d:%d of a %d-block model", peer_id, record.start,
+                         record.end, num_blocks)  # fmt: skip
+            continue
+        records[peer_id] = record
     return records
