@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import torch
 
 from swarmlm.models.span import SpanModel
 from swarmlm.protocol.bundle import SpanTensors
-from swarmlm.server.backend import SpanBackend
+from swarmlm.server.backend import SpanBackend, whole
 from swarmlm.server.joining import JoinableRequest, can_join
 from swarmlm.server.scheduler import BatchLimits, Kind, next_batch
 from tests.unit.test_scheduler import task
@@ -150,6 +151,48 @@ def test_fresh_sessions_prompts_waiting_together_run_as_one_forward(backend: Spa
     assert backend.scheduler.joined_prompts == before + 1 and backend.scheduler.joined_prompt_sessions >= 3
     for prompt, cache, got in zip(prompts, caches, results, strict=True):
         alone_cache = GrowingCache()
-        alone = backend._step(alone_cache, 1, 4, prompt, 1024, None)[0][0]
+        alone = whole(backend._step(alone_cache, 1, 4, prompt, 1024, None))[0][0]
         assert got.shape == alone.shape and (got - alone).abs().max().item() <= TOLERANCE
         assert cache.get_seq_length(1) == alone_cache.get_seq_length(1) == prompt.hidden.shape[1]
+
+
+def test_a_long_prompt_runs_in_quanta_between_other_sessions_steps(backend: SpanBackend) -> None:
+    """A long prompt is long work: while a session decodes here it runs in quanta (16 tokens here), the
+    session's steps run in between (not after the whole prompt), and its outputs and cache are what one run of it
+    gives."""
+    from swarmlm.models.growing_cache import GrowingCache
+
+    prompt = SpanTensors(randn(1, 240, HIDDEN, seed=7))  # 15 quanta of 16 tokens
+    expected_cache, alone_cache = GrowingCache(), GrowingCache()
+    quantum = backend.scheduler.limits.quantum_tokens
+    order: list[str] = []
+
+    async def main() -> tuple[torch.Tensor, torch.Tensor]:
+        whole_prompt = await backend.step(expected_cache, 0, 5, prompt, 1024, peer="alone")
+        session = GrowingCache()
+        await backend.step(session, 0, 5, SpanTensors(randn(1, 3, HIDDEN, seed=8)), 1024, peer="user")
+
+        async def decode(i: int) -> None:
+            await backend.step(session, 0, 5, SpanTensors(randn(1, 1, HIDDEN, seed=9 + i)), 1024, peer="user")
+            order.append("decode")
+
+        async def long_prompt() -> torch.Tensor:
+            (out,), _ = await backend.step(alone_cache, 0, 5, prompt, 1024, peer="flood")
+            order.append("prompt")
+            return out
+
+        flood = asyncio.ensure_future(long_prompt())
+        for i in range(3):
+            await decode(i)
+        return whole_prompt[0][0], await flood
+
+    limits = backend.scheduler.limits
+    backend.scheduler.limits = dataclasses.replace(limits, quantum_tokens=16)
+    try:
+        expected, chunked = asyncio.run(main())
+    finally:
+        backend.scheduler.limits = limits
+    assert quantum > 0
+    assert order[:3] == ["decode"] * 3  # each decode step ran after at most a quantum of the prompt, not after it
+    assert (chunked - expected).abs().max().item() < TOLERANCE
+    assert expected_cache.get_seq_length(0) == alone_cache.get_seq_length(0) == 240

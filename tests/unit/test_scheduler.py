@@ -14,7 +14,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from swarmlm.server.scheduler import BatchLimits, DecodeStep, Kind, Scheduler, Task, next_batch
-from swarmlm.server.scheduling import Decision, SchedulerState, schedule
+from swarmlm.server.scheduling import LONG_KINDS, Decision, SchedulerState, schedule
 
 LIMITS = BatchLimits(max_sessions=3, max_rows=4)
 
@@ -426,3 +426,65 @@ def test_a_server_behind_batches_every_step_it_has() -> None:
     chained, _ = rhythmic_sessions(BatchLimits(decode_wait_s=0.1, stages=2), offsets, intervals, steps=8,
                                    compute_s=0.1)  # fmt: skip
     assert max(chained) == 4
+
+
+def simulate_turns(queue: list[Task], refill, turns: int) -> list[Task]:  # noqa: ANN001 - refill(task) -> Task
+    """Run `turns` decisions on a fake clock as the executor would: each batch is served, and each task that ran
+    is replaced by refill(task) (a flood that never runs dry). The heads of the batches that ran, in order."""
+    limits, state, ran = BatchLimits(quantum_tokens=256, decode_wait_s=0.0), SchedulerState(), []
+    for turn in range(turns):
+        decision = schedule(queue, state, limits, float(turn))
+        assert decision.batch, decision
+        waiting = {task.peer for task in queue} | {task.host for task in queue}
+        for task in decision.batch:
+            queue.remove(task)
+            queue.append(refill(task))
+        state.served([t.peer for t in decision.batch], waiting, [t.host for t in decision.batch],
+                     long=decision.batch[0].kind in LONG_KINDS)  # fmt: skip
+        ran.append(decision.batch[0])
+    return ran
+
+
+@pytest.mark.parametrize("long_kind", [Kind.PROMPT, Kind.FORWARD, Kind.BACKWARD])
+def test_short_steps_and_long_work_take_turns_so_neither_floods_out_the_other(long_kind: Kind) -> None:
+    """Six peers' long prompts (or a trainer's forwards) against sessions decoding flat out: whichever floods, the
+    other runs every other turn, so a decode step waits for at most one quantum and the long work gets about half
+    of the compute thread."""
+    seq = iter(range(10**6))
+    queue = [Task(long_kind, f"flood{i}", next(seq), host="10.0.0.9") for i in range(6)]
+    queue += [Task(Kind.INFERENCE, f"user{i}", next(seq), decode=decode(), host=f"10.0.1.{i}") for i in range(4)]
+    ran = simulate_turns(queue, lambda task: dataclasses.replace(task, seq=next(seq)), 40)
+    kinds = ["long" if task.kind in LONG_KINDS else "short" for task in ran]
+    assert kinds == ["long", "short"] * 20 or kinds == ["short", "long"] * 20, kinds
+
+
+def test_turns_go_round_hosts_before_peers() -> None:
+    """One host's fifty peer ids get, together, the turns one peer of another host gets."""
+    seq = iter(range(10**6))
+    queue = [Task(Kind.FORWARD, f"sybil{i}", next(seq), host="10.0.0.2") for i in range(50)]
+    queue.append(Task(Kind.FORWARD, "honest", next(seq), host="10.0.0.3"))
+    ran = simulate_turns(queue, lambda task: dataclasses.replace(task, seq=next(seq)), 40)
+    assert sum(task.peer == "honest" for task in ran) == 20
+    sybils = [task.peer for task in ran if task.peer != "honest"]
+    assert len(set(sybils)) == len(sybils)  # the host's own turns go round its peers
+
+
+def test_alone_long_work_and_short_steps_run_as_before() -> None:
+    """Without the other kind waiting, nothing changes: short steps first, then long work by turns."""
+    queue = [Task(Kind.PROMPT, "a", 1, host="h1"), Task(Kind.FORWARD, "b", 2, host="h2")]
+    limits, state = BatchLimits(), SchedulerState()
+    assert seqs(schedule(queue, state, limits, 0.0).batch) == [1]  # by kind when no turn says otherwise
+    state.served(["a"], {"b", "h2"}, ["h1"], long=True)
+    assert seqs(schedule(queue, state, limits, 0.0).batch) == [2]  # b's host was not served yet
+    step = Task(Kind.INFERENCE, "c", 3, decode=decode(), host="h3")
+    assert seqs(schedule([*queue, step], state, limits, 0.0).batch) == [3]  # long work ran last: the step goes
+
+
+def test_a_fresh_sessions_long_prompt_runs_in_quanta_while_sessions_decode() -> None:
+    limits, state = BatchLimits(quantum_tokens=256), SchedulerState()
+    prompt = DecodeStep(0, 5, torch.zeros(1, 1024, 8), DynamicCache(), budget=1024)
+    long = Task(Kind.PROMPT, "flood", 1, decode=prompt, host="h1")
+    assert schedule([long], state, limits, 0.0) == Decision([long], quantum=0)  # nobody decodes: whole chunks
+    step = decode()
+    state.track(step, 0.0)
+    assert schedule([long], state, limits, 0.1) == Decision([long], quantum=256)

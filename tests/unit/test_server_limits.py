@@ -165,7 +165,8 @@ class FailingBackend:
         start_from=None,
         peer="",
         adapter=None,
-        lora=None,  # noqa: ANN001
+        lora=None,
+        host="",  # noqa: ANN001
     ):
         if self.touch_cache:
             cache.update(torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 1, 4), 0)

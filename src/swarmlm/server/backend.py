@@ -9,6 +9,7 @@ import time
 from collections.abc import Generator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 import torch
 from transformers.cache_utils import DynamicCache
@@ -70,7 +71,7 @@ class SpanBackend:
 
     async def run(
         self, start: int, end: int, inputs: SpanTensors, peer: str = "", adapter: str | None = None,
-        lora: LoraWeights | None = None, keeping: Keeping | None = None,
+        lora: LoraWeights | None = None, keeping: Keeping | None = None, host: str = "",
     ) -> tuple[list[torch.Tensor], float]:  # fmt: skip
         """Forward: [hidden states after blocks [start, end)]; backward (inputs.grad_outputs given): [grad wrt
         hidden states, (grad wrt prompts), (grad wrt lora)]. Tensors come back in the sender's dtypes, with the
@@ -89,7 +90,7 @@ class SpanBackend:
         joinable = None if alone else JoinableRequest(start, end, inputs, peer)
         result: tuple[list[torch.Tensor], float] = await self.scheduler.submit(
             kind, peer, functools.partial(self._run_by_block, start, end, inputs, adapter, lora, keeping),
-            join=joinable,
+            join=joinable, host=host,
         )  # fmt: skip
         return result
 
@@ -114,13 +115,7 @@ class SpanBackend:
 
     def _run(self, start: int, end: int, inputs: SpanTensors) -> tuple[list[torch.Tensor], float]:
         """_run_by_block in one go, without adapter."""
-        quanta = self._run_by_block(start, end, inputs, None)
-        while True:
-            try:
-                next(quanta)
-            except StopIteration as done:
-                result: tuple[list[torch.Tensor], float] = done.value
-                return result
+        return whole(self._run_by_block(start, end, inputs, None))
 
     def _run_by_block(
         self,
@@ -204,13 +199,18 @@ class SpanBackend:
         peer: str = "",
         adapter: str | None = None,
         lora: LoraWeights | None = None,
+        host: str = "",
     ) -> tuple[list[torch.Tensor], float]:
         """One inference step of a session owning `cache`: [hidden states of the new tokens], compute time in ms.
 
         With start_from, the cache is first cut back to that many tokens (validated: not more than it holds). A step
         with the session's own LoRA weights runs alone (never batched with other sessions' steps); a fresh session's
-        plain prompt may run with other fresh sessions' prompts."""
-        run = functools.partial(self._step, cache, start, end, inputs, chunk_tokens, start_from, adapter, lora)
+        plain prompt may run with other fresh sessions' prompts. A step of more tokens than a quantum (a long prompt,
+        a replayed history) is long work (scheduling.Kind): it runs in quanta and takes turns with other sessions'
+        short steps, which it never holds up by more than one quantum."""
+        quantum = self.scheduler.limits.quantum_tokens
+        long = quantum > 0 and inputs.hidden.shape[0] * inputs.hidden.shape[1] > quantum
+        run = functools.partial(self._step, cache, start, end, inputs, chunk_tokens, start_from, adapter, lora, long)
         decode = None
         if lora is None and _plain_decode(cache, start, inputs, start_from):
             decode = DecodeStep(start, end, inputs.hidden, cache, adapter, inputs.attention_mask, inputs.position_ids)
@@ -218,7 +218,8 @@ class SpanBackend:
             cache, start, inputs, start_from, self._prompt_limit(start, end, chunk_tokens)
         ):  # fmt: skip
             decode = DecodeStep(start, end, inputs.hidden, cache, adapter, budget=chunk_tokens)
-        result: tuple[list[torch.Tensor], float] = await self.scheduler.submit(Kind.INFERENCE, peer, run, decode)
+        kind = Kind.PROMPT if long else Kind.INFERENCE
+        result: tuple[list[torch.Tensor], float] = await self.scheduler.submit(kind, peer, run, decode, host=host)
         return result
 
     def _prompt_limit(self, start: int, end: int, chunk_tokens: int) -> int:
@@ -267,9 +268,14 @@ class SpanBackend:
         start_from: int | None,
         adapter: str | None = None,
         lora: LoraWeights | None = None,
-    ) -> tuple[list[torch.Tensor], float]:
-        began = time.perf_counter()
-        with torch.inference_mode():
+        in_pieces: bool = False,
+    ) -> Generator[None, int | None, tuple[list[torch.Tensor], float]]:
+        """A session's step, in chunks of at most chunk_tokens so that its activations stay bounded whatever its
+        length. in_pieces (a long step: scheduling.Kind.PROMPT): a piece is a chunk through one block, of the tokens
+        the scheduler's quantum allows (0 or None: chunk_tokens), so other sessions' steps run in between; else the
+        step is one piece. No inference mode is held across a yield."""
+        spent = Spent()
+        with spent, torch.inference_mode():
             if start_from is not None and start_from < cache.get_seq_length(start):
                 cache.crop(start_from - cache.get_seq_length(start))  # a negative count: tokens to drop
             if inputs.hypo_ids is not None:
@@ -278,24 +284,35 @@ class SpanBackend:
             hidden = inputs.hidden.to(self.device, self.dtype)
             prompts = None if inputs.prompts is None else inputs.prompts.to(self.device, self.dtype)
             lora = None if lora is None else lora.with_flat(lora.flat.to(self.device))
-            batch, seq = hidden.shape[:2]
-            past = cache.get_seq_length(start)
-            # long prompts run in chunks, so a step's activations stay bounded whatever its length
-            chunk = max(1, chunk_tokens // batch)
-            outputs = [hidden[:, :0]]  # an empty step is a valid no-op: its reply is empty too
-            for begin in range(0, seq, chunk):
-                stop = min(seq, begin + chunk)
-                mask = None if inputs.attention_mask is None else inputs.attention_mask[:, : past + stop]
-                positions = None if inputs.position_ids is None else inputs.position_ids[:, begin:stop]
-                out = self.span(
-                    hidden[:, begin:stop], start=start, end=end, cache=cache, prompts=prompts, adapter=adapter,
-                    lora=lora,
-                    attention_mask=None if mask is None else mask.to(self.device),
-                    position_ids=None if positions is None else positions.to(self.device),
-                )  # fmt: skip
-                outputs.append(out)
+        batch, seq = hidden.shape[:2]
+        past = cache.get_seq_length(start)
+        outputs = [hidden[:, :0]]  # an empty step is a valid no-op: its reply is empty too
+        budget = yield  # the one piece of a short step; a long one's first
+        begin = 0
+        while begin < seq:
+            stop = min(seq, begin + max(1, min(chunk_tokens, (budget if in_pieces else 0) or chunk_tokens) // batch))
+            mask = None if inputs.attention_mask is None else inputs.attention_mask[:, : past + stop]
+            mask = None if mask is None else mask.to(self.device)
+            positions = None if inputs.position_ids is None else inputs.position_ids[:, begin:stop]
+            positions = None if positions is None else positions.to(self.device)
+            out = hidden[:, begin:stop]
+            for first, last in [(b, b + 1) for b in range(start, end)] if in_pieces else [(start, end)]:
+                if first > start:
+                    budget = yield  # a long step's next piece: its chunk through the next block
+                block_prompts = None if prompts is None else prompts[first - start : last - start]
+                block_lora = None if lora is None or not in_pieces else lora.blocks(first, last)
+                with spent, torch.inference_mode():
+                    out = self.span(
+                        out, start=first, end=last, cache=cache, prompts=block_prompts, adapter=adapter,
+                        lora=block_lora if in_pieces else lora, attention_mask=mask, position_ids=positions,
+                    )  # fmt: skip
+            outputs.append(out)
+            begin = stop
+            if begin < seq and in_pieces:
+                budget = yield  # the next chunk's first piece
+        with spent, torch.inference_mode():
             result = torch.cat(outputs, dim=1).to("cpu", inputs.hidden.dtype)
-        return [result], (time.perf_counter() - began) * 1000
+        return [result], spent.seconds * 1000
 
     def measure_throughput(self, tokens: int = 32, repeats: int = 3) -> float:
         """Tokens per second through one block, measured on random inputs at start-up."""
@@ -309,13 +326,26 @@ class SpanBackend:
         """One-token decode steps per second through one block with `past` tokens cached, measured at start-up."""
         cache = GrowingCache()
         start, end = self.span.start, self.span.end
-        self._step(cache, start, end, SpanTensors(torch.randn(1, past, self.limits.hidden_size)), past, None)
+        whole(self._step(cache, start, end, SpanTensors(torch.randn(1, past, self.limits.hidden_size)), past, None))
         token = SpanTensors(torch.randn(1, 1, self.limits.hidden_size))
-        elapsed = min(self._step(cache, start, end, token, 1, past)[1] for _ in range(repeats)) / 1000
+        elapsed = min(whole(self._step(cache, start, end, token, 1, past))[1] for _ in range(repeats)) / 1000
         return (end - start) / max(elapsed, 1e-9)
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+R = TypeVar("R")
+
+
+def whole(pieces: Generator[None, int | None, R]) -> R:
+    """What a computation in pieces returns, run at once (every piece of the size it chooses itself)."""
+    while True:
+        try:
+            pieces.send(None)
+        except StopIteration as done:
+            result: R = done.value
+            return result
 
 
 def named_results(inputs: SpanTensors, results: list[torch.Tensor]) -> ReplyTensors:

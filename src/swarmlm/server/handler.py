@@ -114,8 +114,9 @@ class SpanHandler:
             self.in_flight += 1
             try:
                 outputs, compute_ms = await self.backend.run(
-                    header.start_block, header.end_block, inputs, peer, header.adapter, lora, keeping
-                )
+                    header.start_block, header.end_block, inputs, peer, header.adapter, lora, keeping,
+                    host=self.inference.ledger.host(peer_id),
+                )  # fmt: skip
             finally:
                 self.in_flight -= 1
             bundle = named_results(inputs, outputs)

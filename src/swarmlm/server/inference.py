@@ -293,6 +293,7 @@ class InferenceSessions:
                     peer=peer,
                     adapter=session.adapter,
                     lora=held.weights,
+                    host=self.ledger.host(peer),
                 )
             except Exception as e:  # noqa: BLE001 - a failed step is answered; it never kills the stream raw
                 intact = inputs.hypo_ids is None and _lengths(cache, session) == before

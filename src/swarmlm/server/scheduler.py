@@ -18,6 +18,7 @@ from swarmlm.server.joining import JoinableRequest
 from swarmlm.server.load import DepthMeter, turns_ahead
 from swarmlm.server.scheduling import (
     BUSY_WINDOW_S,
+    LONG_KINDS,
     MAX_REMEMBERED_PEERS,
     SATURATED_SHARE,
     BatchLimits,
@@ -135,14 +136,15 @@ class Scheduler:
 
     async def submit(
         self, kind: Kind, peer: str, run: Callable[[], Any], decode: DecodeStep | None = None,
-        join: JoinableRequest | None = None,
+        join: JoinableRequest | None = None, host: str = "",
     ) -> Any:  # fmt: skip
-        """Queue a request and wait for its result (or its exception)."""
+        """Queue a request of `peer` (of `host`: turns go round hosts first) and wait for its result (or its
+        exception)."""
         loop = asyncio.get_running_loop()
         self._arrivals += 1
         future: asyncio.Future[Any] = loop.create_future()
         join = join if self.run_joined else None
-        task = Task(kind, peer, self._arrivals, decode, join, arrived=self.clock(), work=Work(run, future))
+        task = Task(kind, peer, self._arrivals, decode, join, arrived=self.clock(), work=Work(run, future), host=host)
         if decode is not None and not decode.prompt:  # a session's rhythm is that of its decode steps
             self.state.track(decode, task.arrived)
         self.queue.append(task)
@@ -192,7 +194,9 @@ class Scheduler:
         runs its next quantum, of `quantum` tokens (0: a whole block)."""
         loop = asyncio.get_running_loop()
         members = [member for task in batch for member in (_work(task).members or [task])]
-        self.state.served([task.peer for task in members], {task.peer for task in self.queue})
+        waiting = {task.peer for task in self.queue} | {task.host for task in self.queue}
+        self.state.served([task.peer for task in members], waiting, [task.host for task in members],
+                          long=batch[0].kind in LONG_KINDS)  # fmt: skip
         self._measure()
         began = self.clock()
         try:
@@ -219,7 +223,8 @@ class Scheduler:
         run_joined, joins = self.run_joined, [task.join for task in batch if task.join is not None]
         head = batch[0]
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        merged = Task(head.kind, head.peer, head.seq, work=Work(lambda: run_joined(joins), future, members=batch))
+        merged = Task(head.kind, head.peer, head.seq, work=Work(lambda: run_joined(joins), future, members=batch),
+                      host=head.host)  # fmt: skip
 
         def hand_out(done: asyncio.Future[Any]) -> None:
             for index, task in enumerate(batch):

@@ -26,11 +26,21 @@ MAX_REMEMBERED_PEERS = 1024
 
 
 class Kind(IntEnum):
-    """Classes of work, most urgent first: a waiting generation step costs a user latency on every token."""
+    """Classes of work, most urgent first: a waiting generation step costs a user latency on every token.
+
+    INFERENCE is a session's short step (a decode step, a few speculative tokens, a prompt of at most a quantum):
+    it runs whole, before long work. The rest is long work (a session's long prompt or replayed history, a forward,
+    a backward): it runs in quanta, taking turns by host and peer whatever its kind, and while short steps wait it
+    still gets every other turn, so neither kind starves the other."""
 
     INFERENCE = 0
-    FORWARD = 1
-    BACKWARD = 2
+    PROMPT = 1
+    FORWARD = 2
+    BACKWARD = 3
+
+
+# long work: runs in quanta and shares the compute thread with the short steps (Kind)
+LONG_KINDS = frozenset({Kind.PROMPT, Kind.FORWARD, Kind.BACKWARD})
 
 
 @dataclass(frozen=True, eq=False)
@@ -82,6 +92,7 @@ class Task:
     # a long request that ran a quantum already (it runs as a generator, see server.pieces): never joined again
     started: bool = False
     work: Work | None = field(default=None, repr=False)  # what the executor runs; no decision reads it
+    host: str = ""  # the peer's host (server.fairness.host_of): turns go round hosts first, then their peers
 
 
 @dataclass(frozen=True)
@@ -109,16 +120,24 @@ class BatchLimits:
     quantum_tokens: int = 256
 
 
-def next_batch(queue: Sequence[Task], limits: BatchLimits, last_served: Mapping[str, int]) -> list[Task]:
-    """The tasks to run next: from the most urgent class present, the waiting task of the peer served least
-    recently (round robin between peers; arrival order breaks ties), joined, if it is a decode step (or a fresh
+def next_batch(
+    queue: Sequence[Task], limits: BatchLimits, last_served: Mapping[str, int],
+    host_served: Mapping[str, int] | None = None,
+) -> list[Task]:  # fmt: skip
+    """The tasks to run next: from the most urgent class present (short steps, else all long work alike), the
+    waiting task of the host served least recently, and of its peers the one served least recently (round robin
+    between hosts, then peers; the kind, then arrival order break ties), joined, if it is a decode step (or a fresh
     session's prompt), by the other decode steps (prompts) over the same blocks with the same adapter, peers in the
     same order, within `limits` (and, for prompts, their tokens within the head's budget). Empty only for an empty
     queue."""
     if not queue:
         return []
-    kind = min(task.kind for task in queue)
-    order = sorted((t for t in queue if t.kind == kind), key=lambda t: (last_served.get(t.peer, -1), t.seq))
+    hosts = host_served or {}
+    urgent = min(task.kind for task in queue) not in LONG_KINDS
+    order = sorted(
+        (t for t in queue if (t.kind not in LONG_KINDS) == urgent),
+        key=lambda t: (hosts.get(t.host, -1), last_served.get(t.peer, -1), t.kind, t.seq),
+    )
     head = order[0]
     if head.join is not None and not head.started:
         return _joined(head, order[1:], limits)
@@ -205,6 +224,8 @@ class SchedulerState:
     """What the decisions remember between batches: each peer's last turn, each session's rhythm, the busy time."""
 
     last_served: dict[str, int] = field(default_factory=dict)  # peer -> the turn it was last served in
+    host_served: dict[str, int] = field(default_factory=dict)  # host -> the turn it was last served in
+    last_long: bool = False  # whether the last batch run was a quantum of long work (Kind)
     rhythms: dict[int, Rhythm] = field(default_factory=dict)  # decode steps' timing of each session, by cache id
     busy: deque[tuple[float, float]] = field(default_factory=deque)  # (start, end) of the compute thread's runs
     turns: int = 0
@@ -225,18 +246,23 @@ class SchedulerState:
         """The session owning `cache` ended: no batch waits for its steps any more."""
         self.rhythms.pop(id(cache), None)
 
-    def served(self, peers: Sequence[str], waiting: set[str]) -> None:
-        """A batch of these peers' requests runs: one turn; the oldest peers not `waiting` are forgotten past
-        MAX_REMEMBERED_PEERS."""
+    def served(self, peers: Sequence[str], waiting: set[str], hosts: Sequence[str] = (), long: bool = False) -> None:
+        """A batch of these peers' requests (from these hosts; `long`: a quantum of long work) runs: one turn; the
+        oldest peers and hosts not `waiting` are forgotten past MAX_REMEMBERED_PEERS."""
         self.turns += 1
+        self.last_long = long
         for peer in peers:
             self.last_served[peer] = self.turns
-        if len(self.last_served) > MAX_REMEMBERED_PEERS:
-            for peer in sorted(self.last_served, key=self.last_served.__getitem__):
-                if len(self.last_served) <= MAX_REMEMBERED_PEERS // 2:
+        for host in hosts:
+            self.host_served[host] = self.turns
+        for served in (self.last_served, self.host_served):
+            if len(served) <= MAX_REMEMBERED_PEERS:
+                continue
+            for key in sorted(served, key=served.__getitem__):
+                if len(served) <= MAX_REMEMBERED_PEERS // 2:
                     break
-                if peer not in waiting:
-                    del self.last_served[peer]
+                if key not in waiting:
+                    del served[key]
 
     def ran(self, began: float, ended: float) -> None:
         """The compute thread ran a batch from `began` to `ended`; runs older than BUSY_WINDOW_S are dropped."""
@@ -328,17 +354,24 @@ def quantum(queue: Sequence[Task], state: SchedulerState, limits: BatchLimits, n
 
 def schedule(queue: Sequence[Task], state: SchedulerState, limits: BatchLimits, now: float) -> Decision:
     """The next batch (next_batch, cut to a cohort for decode steps and prompts), or a wait for more steps of a
-    cohort, and the size of a long task's next quantum. Reads the queue and the state, changes neither."""
-    batch = next_batch(queue, limits, state.last_served)
+    cohort, and the size of a long task's next quantum. While short steps and long work both wait, they take turns
+    (a quantum of long work after each short batch): a flood of either leaves the other about half the compute
+    thread, and a short step waits for at most one quantum. Reads the queue and the state, changes neither."""
+    everything, long = queue, [task for task in queue if task.kind in LONG_KINDS]
+    if long and not state.last_long and len(long) < len(queue):
+        queue = long  # long work's turn: decided as if only it waited (the quantum's size sees everything)
+    batch = next_batch(queue, limits, state.last_served, state.host_served)
     if not batch:
         return Decision()
     head = batch[0].decode
     if head is None:
-        return Decision(batch, quantum=quantum(queue, state, limits, now))
+        return Decision(batch, quantum=quantum(everything, state, limits, now))
     size = cohort(batch, queue, state, limits, now)
     regroup = batch[size:] if head.prompt else []
     batch = batch[:size]  # the rest runs next, as the next cohort
     until = wait_until(batch, size, queue, state, limits, now)
     if until is not None:
         return Decision(wait_until=until)
-    return Decision(batch, regroup=regroup, group=size if regroup else 0)
+    # a long session step (a prompt or replay beyond a quantum) that runs alone runs in quanta like other long work
+    pieces = quantum(everything, state, limits, now) if len(batch) == 1 and batch[0].kind in LONG_KINDS else 0
+    return Decision(batch, regroup=regroup, group=size if regroup else 0, quantum=pieces)
