@@ -46,11 +46,15 @@ KEEPS_PER_PEER = 6  # so each peer alone sends ~380 MB of graphs that no backwar
 # request being computed (its own graphs, before they are cached), its received bytes and the allocator's slack
 MARGIN_MB = 150
 P2PD_START_S = 60.0
+STREAMS_PER_PEER = 32  # the streams one peer may hold open (the default is one per session slot, 256, and 64 more)
 
 
 @pytest.fixture(scope="module")
 def swarm(tiny_model_dir: Path) -> Iterator[LocalSwarm]:
-    extra_args = ["--activation-cache-mb", str(ACTIVATION_CACHE_MB), "--max-tokens-per-request", "8192"]
+    extra_args = [
+        "--activation-cache-mb", str(ACTIVATION_CACHE_MB), "--max-tokens-per-request", "8192",
+        "--max-streams-per-peer", str(STREAMS_PER_PEER),
+    ]  # fmt: skip
     with running_swarm(tiny_model_dir, [(0, 5)], extra_args=extra_args) as swarm:
         yield swarm
 
@@ -291,3 +295,36 @@ def test_a_signed_record_beyond_the_models_blocks_is_not_listed(two_spans: Local
         loop.run(monitor.close())
         loop.close()
         attacker.shutdown()
+
+
+def test_a_peer_flooding_refused_streams_gets_one_log_line(swarm: LocalSwarm, tiny_model_dir: Path) -> None:
+    """Streams past a peer's bound are refused, each costing the attacker one open; the log says so once per
+    interval, not once per stream (every line a peer can cause is rate-limited)."""
+    log = swarm.servers[0].log_path
+    before = log.read_text().count("stream refused")
+    peers = Peers(swarm, ["127.0.0.1"])
+    writers: list[asyncio.StreamWriter] = []
+
+    async def open_many(count: int) -> int:
+        opened = 0
+        for _ in range(count):
+            try:
+                _, _, writer = await peers.p2ps[0].call_binary_stream_handler(peers.server, "SpanService.rpc_forward")
+            except Exception:  # noqa: BLE001 - refused streams may fail to open at all
+                continue
+            writer.write(P2P.MESSAGE_MARKER)  # a frame begun: the stream reaches the server (opens are lazy)
+            writers.append(writer)
+            opened += 1
+        await asyncio.sleep(2.0)
+        return opened
+
+    try:
+        peers.loop.run(open_many(10 * STREAMS_PER_PEER))
+    finally:
+        for writer in writers:
+            writer.close()
+        peers.close()
+    refused = log.read_text().count("stream refused") - before
+    print(f"\n{10 * STREAMS_PER_PEER} streams opened by one peer: {refused} 'stream refused' lines")
+    assert 1 <= refused <= 2
+    honest_forward_is_exact(swarm, tiny_model_dir)

@@ -154,3 +154,14 @@ def test_buffered_bytes_are_capped_per_host_and_in_total() -> None:
         assert ledger.host_usage("10.0.0.66").buffered_bytes == 90 and ledger.total.buffered_bytes == 190
 
     asyncio.run(scenario())
+
+
+def test_a_live_session_of_the_richest_peer_goes_after_quieter_ones_of_its_host() -> None:
+    """A session that stepped 50 ms ago is in the middle of an answer: a quiet session of the same (richer) host goes
+    first, though its peer holds less, and the live one is taken only when nothing else can be."""
+    live = [session("rich", "10.0.0.66", active_at=9.95) for _ in range(3)]
+    quiet = session("other", "10.0.0.66", active_at=8.5)  # 1.5 s: not yet idle for 2 s, not in use either
+    victims = pick_victims([*live, quiet], "sessions", "new", "10.0.0.2", 1, host_only=False, now=10, idle_s=2)
+    assert victims == [quiet]
+    victims = pick_victims([*live, quiet], "sessions", "new", "10.0.0.2", 2, host_only=False, now=10, idle_s=2)
+    assert victims[0] is quiet and victims[1] in live

@@ -86,6 +86,22 @@ def test_peer_faults_log_one_line_per_peer_per_interval(caplog: pytest.LogCaptur
     ]
 
 
+def test_many_peers_together_get_a_bounded_number_of_lines(caplog: pytest.LogCaptureFixture) -> None:
+    """Identities are free: a thousand peers each with one fault write at most max_lines lines per interval, and the
+    next interval says how many were left out."""
+    clock, log = FakeClock(), logging.getLogger("test.faults")
+    faults = PeerFaults(interval_s=10.0, clock=clock, max_lines=20)
+    with caplog.at_level(logging.WARNING, logger="test.faults"):
+        shown = [faults.warning(log, f"sybil-{i}", "bad request") for i in range(1000)]
+        clock.now = 10.0
+        assert faults.warning(log, "sybil-999", "bad request")
+    assert shown.count(True) == 20
+    lines = [record.getMessage() for record in caplog.records]
+    assert len(lines) == 22
+    assert lines[-2] == "980 more lines about peers' faults were left out in 10 s (too many peers at once)"
+    assert lines[-1] == "bad request (and 1 more from this peer in 10 s)"
+
+
 def test_peer_faults_remember_a_bounded_number_of_peers() -> None:
     faults = PeerFaults(capacity=3, clock=FakeClock())
     for peer in range(10):

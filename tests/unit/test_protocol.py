@@ -8,9 +8,11 @@ from collections.abc import AsyncIterator, Iterable
 import msgpack
 import pytest
 import torch
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.p2p import P2P
 from hivemind.proto import runtime_pb2
 from hivemind.proto.p2pd_pb2 import RPCError
+from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from swarmlm.errors import ProtocolError
 from swarmlm.net.frames import send_frames
@@ -44,6 +46,23 @@ def test_tensors_above_the_transport_cap_travel_in_chunks() -> None:
     assert len(parts) >= 12 and all(part.ByteSize() <= CHUNK_BYTES + 4096 for part in parts)
     _, (received,) = roundtrip(ForwardRequest(start_block=0, end_block=1), [big])
     assert torch.equal(received, big)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool])
+@pytest.mark.parametrize("shape", [(0, 3, 8), (1,), (3, 700, 333)], ids=["empty", "one", "several-chunks"])
+def test_every_wire_dtype_and_size_survives_and_reads_as_hivemind_reads_it(dtype: torch.dtype, shape: tuple) -> None:
+    """The parts are what hivemind's serialize and split would make of the tensor, so its readers (and older
+    peers') read them; ours reads them back exactly."""
+    tensor = (torch.randn(shape) * 100).to(dtype)
+    parts = list(encode(ForwardRequest(start_block=0, end_block=1), [tensor], runtime_pb2.ExpertRequest))
+    chunks = [chunk for part in parts for chunk in part.tensors]
+    expected = list(split_for_streaming(serialize_torch_tensor(tensor), CHUNK_BYTES))
+    assert [c.SerializeToString() for c in chunks[1:]] == [c.SerializeToString() for c in expected[1:]]
+    assert chunks[0].buffer == expected[0].buffer and list(chunks[0].size) == list(expected[0].size)
+    assert chunks[0].dtype == expected[0].dtype and chunks[0].chunks == max(1, expected[0].chunks)
+    assert torch.equal(deserialize_torch_tensor(combine_from_streaming(chunks)), tensor)
+    _, (received,) = roundtrip(ForwardRequest(start_block=0, end_block=1), [tensor])
+    assert received.dtype == dtype and received.shape == tensor.shape and torch.equal(received, tensor)
 
 
 def test_an_empty_stream_is_no_message() -> None:

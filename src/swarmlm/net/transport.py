@@ -146,7 +146,7 @@ class _Stream:
             yield part
 
     def answered(self) -> None:
-        """The handler replied: the frames it read so far are done with."""
+        """The handler's reply was written: the frames it read so far are done with."""
         self._release(self.consumed)
         self.consumed = 0
         self.holding.busy = False
@@ -345,7 +345,7 @@ async def _serve_stream(
 
 async def _refuse_stream(writer: asyncio.StreamWriter, peer: str, error: LimitError, limits: StreamLimits) -> None:
     """Answer a stream over the stream limits with an error frame, and close it."""
-    logger.warning("stream refused peer=...%s: %s", peer[-6:], error)
+    PEER_FAULTS.warning(logger, peer, "stream refused peer=...%s: %s", peer[-6:], error)
     with contextlib.suppress(Exception):
         await asyncio.wait_for(send_frames(writer, [RPCError(message=short(str(error)))]), limits.write_timeout_s)
     writer.close()
@@ -386,7 +386,6 @@ async def _send_all(
 ) -> None:  # fmt: skip
     async with contextlib.aclosing(replies):  # closing runs the handler's cleanup (session and budget release)
         async for reply in replies:
-            stream.answered()
             stream.reply_after_end = stream.ended
             stream.wrote_last = False
             try:
@@ -398,4 +397,7 @@ async def _send_all(
             except (ConnectionError, RuntimeError):
                 logger.debug("peer ...%s closed its stream", stream.peer[-6:])
                 return
+            # the request's bytes stay charged until its reply is written: a reply is about as large as its request
+            # (a forward's output is its input's shape), and a peer that reads slowly holds both
+            stream.answered()
             stream.wrote_last = True

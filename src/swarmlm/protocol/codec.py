@@ -17,9 +17,8 @@ from typing import TypeAlias, TypeVar
 
 import msgpack
 import torch
-from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.compression.base import USE_LEGACY_BFLOAT16
 from hivemind.proto import runtime_pb2
-from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from swarmlm.errors import ProtocolError
 from swarmlm.protocol.int8 import dequantize_rows, quantizable, quantize_rows
@@ -54,14 +53,16 @@ def encode(header: _Header, tensors: Sequence[torch.Tensor], part_type: type[Par
     metadata = msgpack.packb({"header": header.model_dump(), "n_tensors": len(tensors)})
     if is_int8(header):
         tensors = [part for t in tensors for part in (quantize_rows(t) if quantizable(t) else (t,))]
-    chunks = [chunk for tensor in tensors for chunk in _split(tensor)]
+    # made as they are sent: a large tensor is never held serialized in full beside itself
+    chunks = (chunk for tensor in tensors for chunk in _split(tensor))
     first = part_type(metadata=metadata)
-    if not chunks:
+    head = next(chunks, None)
+    if head is None:
         yield first
         return
-    first.tensors.append(chunks[0])
+    first.tensors.append(head)
     yield first
-    for chunk in chunks[1:]:
+    for chunk in chunks:
         yield part_type(tensors=[chunk])
 
 
@@ -70,10 +71,22 @@ def is_int8(header: _Header) -> bool:
     return bool(getattr(header, "int8", False))
 
 
-def _split(tensor: torch.Tensor) -> list[runtime_pb2.Tensor]:
-    chunks = list(split_for_streaming(serialize_torch_tensor(tensor.detach().cpu()), CHUNK_BYTES))
-    chunks[0].chunks = max(chunks[0].chunks, 1)  # an empty tensor (an empty step) still travels as one chunk
-    return chunks
+def _split(tensor: torch.Tensor) -> Iterator[runtime_pb2.Tensor]:
+    """A tensor's chunks as hivemind's serialize_torch_tensor and split_for_streaming make them (uncompressed;
+    bfloat16 as hivemind sends it), each copied out of the tensor's memory only when it is taken. An empty tensor
+    (an empty step) still travels as one chunk."""
+    tensor = tensor.detach().cpu()
+    raw = tensor
+    if tensor.dtype == torch.bfloat16:
+        raw = tensor.to(torch.float32) if USE_LEGACY_BFLOAT16 else tensor.view(torch.int16)
+    data = raw.contiguous().reshape(-1).view(torch.uint8)  # its bytes, not a copy
+    count = max(1, math.ceil(data.numel() / CHUNK_BYTES))
+    yield runtime_pb2.Tensor(
+        compression=runtime_pb2.CompressionType.NONE, buffer=data[:CHUNK_BYTES].numpy().tobytes(), chunks=count,
+        size=tensor.shape, dtype=str(tensor.dtype).removeprefix("torch."), requires_grad=tensor.requires_grad,
+    )  # fmt: skip
+    for begin in range(CHUNK_BYTES, data.numel(), CHUNK_BYTES):
+        yield runtime_pb2.Tensor(buffer=data[begin : begin + CHUNK_BYTES].numpy().tobytes())
 
 
 async def read_message(
@@ -131,8 +144,8 @@ async def _read_tensors(
     if not 0 <= n_tensors <= MAX_TENSORS:
         raise ProtocolError(f"a message carries 0..{MAX_TENSORS} tensors, not {n_tensors}")
     _check_part(first)
-    chunks: list[runtime_pb2.Tensor] = list(first.tensors)
-    received = sum(len(chunk.buffer) for chunk in chunks)
+    received = sum(len(chunk.buffer) for chunk in first.tensors)
+    chunks: list[runtime_pb2.Tensor | None] = list(first.tensors)
     if received > max_bytes:
         raise ProtocolError(f"message carries more than {max_bytes} bytes of tensors")
 
@@ -156,6 +169,8 @@ async def _read_tensors(
         nonlocal used, declared_total
         await ensure(used + 1)
         head = chunks[used]
+        if head is None:
+            raise RuntimeError("a decoded chunk was read again")
         declared = _declared_bytes(head, index)
         declared_total += declared
         if declared_total > max_bytes:
@@ -163,13 +178,15 @@ async def _read_tensors(
         if not 1 <= head.chunks <= declared // MIN_CHUNK_BYTES + 1:
             raise ProtocolError(f"tensor {index} of {declared} bytes declares {head.chunks} chunks")
         await ensure(used + head.chunks)
-        body = chunks[used : used + head.chunks]
+        body = [chunk for chunk in chunks[used : used + head.chunks] if chunk is not None]
         if any(chunk.compression != runtime_pb2.CompressionType.NONE for chunk in body[1:]):
             raise ProtocolError(f"tensor {index}: only its first chunk may say how it is compressed")
-        if sum(len(chunk.buffer) for chunk in body) not in _wire_sizes(head):
+        nbytes = sum(len(chunk.buffer) for chunk in body)
+        if nbytes not in _wire_sizes(head):
             raise ProtocolError(f"tensor {index} cannot be decoded: its buffer does not match its shape and dtype")
+        chunks[used : used + head.chunks] = [None] * head.chunks  # decoded: the message no longer holds them
         used += head.chunks
-        return _deserialize(body, index)
+        return _deserialize(body, nbytes, index)
 
     tensors = []
     for index in range(n_tensors):
@@ -205,8 +222,30 @@ def _wire_sizes(head: runtime_pb2.Tensor) -> set[int]:
     return {values * item for item in _WIRE_ITEM_BYTES[head.dtype]}
 
 
-def _deserialize(chunks: list[runtime_pb2.Tensor], index: int) -> torch.Tensor:
+# how each wire dtype reads back (bfloat16 also travels as float32: hivemind's legacy mode)
+_TORCH_DTYPES = {
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int64": torch.int64,
+    "int32": torch.int32, "int8": torch.int8, "bool": torch.bool,
+}  # fmt: skip
+
+
+def _deserialize(chunks: list[runtime_pb2.Tensor], nbytes: int, index: int) -> torch.Tensor:
+    """A tensor from its chunks (nbytes of data in all, checked against its shape and dtype), copied once into the
+    tensor's own memory: hivemind's reader joins the chunks, copies the joined buffer out of the message and then
+    into a bytearray, holding about four times the tensor at its peak, which a server's byte budget never counted."""
+    head = chunks[0]
     try:
-        return deserialize_torch_tensor(combine_from_streaming(chunks))
+        data = torch.empty(nbytes, dtype=torch.uint8)
+        view, offset = memoryview(data.numpy()), 0  # type: ignore[arg-type]  # numpy arrays are buffers
+        for chunk in chunks:
+            buffer = chunk.buffer
+            view[offset : offset + len(buffer)] = buffer
+            offset += len(buffer)
+        numel = math.prod(head.size)
+        if head.dtype == "bfloat16" and numel and nbytes // numel == 4:
+            tensor = data.view(torch.float32).to(torch.bfloat16)
+        else:
+            tensor = data.view(_TORCH_DTYPES[head.dtype])
+        return tensor.reshape(tuple(head.size)).requires_grad_(head.requires_grad)
     except (ValueError, TypeError, RuntimeError, KeyError) as e:
         raise ProtocolError(f"tensor {index} cannot be decoded: {e}") from e

@@ -3,8 +3,9 @@ a pure choice over holdings, tested without sockets.
 
 Peer ids are free to make, so shares go to hosts (remote addresses) first and to peers within a host second. A waiting
 peer may only take from someone richer than itself in that pool: a host holding more than its own host, or a peer of
-its own host holding more than itself. Among those, holders idle for a while go first, then the richest host's,
-then its richest peer's, then the longest idle. A holder that is computing for its peer right now is never taken.
+its own host holding more than itself. Among those, holders idle for a while go first, then those not in use, and
+live ones (a session between two steps of an answer) last; within each, the richest host's, then its richest
+peer's, then the longest idle. A holder that is computing for its peer right now is never taken.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ from dataclasses import dataclass
 
 # IPv6 hosts are grouped by their /64 network: one machine gets a whole /64 as easily as one address
 IPV6_HOST_PREFIX = 64
+# a holder active this recently is live (a session between two decode steps sends its next one within this): it is
+# taken only when nothing quieter can be
+LIVE_S = 1.0
 
 
 @dataclass(eq=False)
@@ -60,6 +64,11 @@ def host_of(address: str) -> str:
     return address or "unknown"
 
 
+def _quietness(idle: float, idle_s: float) -> int:
+    """0: idle for idle_s or more; 1: not in use (idle for LIVE_S); 2: live."""
+    return 0 if idle >= idle_s else 1 if idle >= LIVE_S else 2
+
+
 def pick_victims(
     holdings: Iterable[Holding], pool: str, asker_peer: str, asker_host: str, needed: int, *, host_only: bool,
     now: float, idle_s: float,
@@ -88,8 +97,8 @@ def pick_victims(
                       and richer(h)]  # fmt: skip
         if not candidates:
             break
-        victim = min(candidates, key=lambda h: (h.idle_s(now) < idle_s, -by_host[h.host], -by_peer[h.peer],
-                                                -h.idle_s(now)))  # fmt: skip
+        victim = min(candidates, key=lambda h: (_quietness(h.idle_s(now), idle_s), -by_host[h.host],
+                                                -by_peer[h.peer], -h.idle_s(now)))  # fmt: skip
         victims.append(victim)  # the next victim is chosen among what is left
         coming += amount(victim)
         by_host[victim.host] -= amount(victim)

@@ -137,7 +137,7 @@ class SpanHandler:
         except Exception as e:  # noqa: BLE001 - any failure must become an error reply, never a dead server
             self.rejected += 1
             text = short(f"{type(e).__name__}: {e}")
-            logger.warning("%s failed peer=...%s: %s\n%s", kind, peer, text, where(e))
+            PEER_FAULTS.warning(logger, peer_id, "%s failed peer=...%s: %s\n%s", kind, peer, text, where(e))
             reply, outputs = ReplyHeader(ok=False, error=text, error_kind="server"), []
         for part in encode(reply, outputs, runtime_pb2.ExpertResponse):
             yield part

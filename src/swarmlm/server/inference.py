@@ -251,8 +251,8 @@ class InferenceSessions:
                     error = "server busy: this session was reclaimed for a peer that waited (it was idle)"
                     yield _reply(ReplyHeader(ok=False, error=error, error_kind="busy"))
                     return
-                logger.warning("inference session closed: steps were pushed to it faster than it runs them peer=...%s",
-                               peer)  # fmt: skip
+                PEER_FAULTS.warning(logger, peer, "inference session closed: steps were pushed to it faster than it "
+                                    "runs them peer=...%s", peer[-6:])  # fmt: skip
                 error = "server busy: steps were pushed to this session faster than it runs them (one was refused)"
                 yield _reply(ReplyHeader(ok=False, error=error, error_kind="busy"))
                 return
@@ -298,8 +298,9 @@ class InferenceSessions:
             except Exception as e:  # noqa: BLE001 - a failed step is answered; it never kills the stream raw
                 intact = inputs.hypo_ids is None and _lengths(cache, session) == before
                 text = short(f"{type(e).__name__}: {e}")
-                logger.warning("inference step failed peer=...%s (%s): %s\n%s", peer,
-                               "session goes on" if intact else "cache changed, closing", text, where(e))  # fmt: skip
+                outcome = "session goes on" if intact else "cache changed, closing"
+                PEER_FAULTS.warning(logger, peer, "inference step failed peer=...%s (%s): %s\n%s", peer[-6:], outcome,
+                                    text, where(e))  # fmt: skip
                 yield _reply(ReplyHeader(ok=False, error=text, error_kind="server"))
                 if not intact:
                     return

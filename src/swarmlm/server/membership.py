@@ -19,6 +19,7 @@ from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 from hivemind.proto import runtime_pb2
 
 from swarmlm.errors import ProtocolError
+from swarmlm.net.peerlog import PEER_FAULTS
 from swarmlm.protocol.codec import drain, encode
 from swarmlm.protocol.messages import ReplyHeader
 from swarmlm.protocol.service import CLOSE_LINGER_S
@@ -73,7 +74,7 @@ class Members:
             token = await asyncio.wait_for(reader.readexactly(TOKEN_BYTES), JOIN_TIMEOUT_S)
             admitted = self.join(peer, token)
             if not admitted:
-                logger.warning("join refused peer=...%s: wrong swarm key", peer[-6:])
+                PEER_FAULTS.warning(logger, peer, "join refused peer=...%s: wrong swarm key", peer[-6:])
             writer.write(JOIN_OK if admitted else JOIN_REFUSED)
             await asyncio.wait_for(writer.drain(), JOIN_TIMEOUT_S)
             # the joiner closes once it has read the answer; closing first could lose it (net/transport.py)

@@ -32,6 +32,11 @@ STREAM_SLACK = 64
 STREAMS_PER_SESSION = 8
 # once this much was buffered, the allocator's free memory is returned to the system when the buffers empty
 TRIM_AFTER_BYTES = 16 << 20
+# under sustained load the buffers never empty: after this many bytes were released, memory is returned all the same,
+# at most once per TRIM_INTERVAL_S (glibc keeps what large buffers free in its arenas; a burst of 8 MB forwards from
+# a dozen peer ids left a server twice what its ledger counted)
+TRIM_EVERY_BYTES = 64 << 20
+TRIM_INTERVAL_S = 0.5
 
 
 def refusal(error: BaseException, text: str | None = None) -> ReplyHeader:
@@ -113,6 +118,8 @@ class PeerLedger:
         self._changed: list[asyncio.Future] = []  # woken whenever anything is released
         self.reclaimed = 0  # holders closed for peers that waited (stats)
         self._peak_bytes = 0  # most bytes buffered since the allocator last returned memory
+        self._released = 0  # bytes released since then
+        self._trimmed_at = 0.0  # loop time of the last return
         self._trimming: asyncio.Task | None = None
 
     def usage(self, peer: str) -> _Usage:
@@ -269,14 +276,24 @@ class PeerLedger:
     def release_bytes(self, peer: str, size: int) -> None:
         if size:
             self._add(peer, "buffered_bytes", -size)
-            if self.total.buffered_bytes == 0 and self._peak_bytes >= TRIM_AFTER_BYTES:
-                self._peak_bytes = 0
+            self._released += size
+            emptied = self.total.buffered_bytes == 0 and self._peak_bytes >= TRIM_AFTER_BYTES
+            if emptied or self._released >= TRIM_EVERY_BYTES:
                 self._return_memory()
 
     def _return_memory(self) -> None:
-        """After a burst of buffers, hand the allocator's free memory back to the system (glibc keeps it otherwise)."""
-        if self._trimming is None or self._trimming.done():
-            self._trimming = asyncio.get_running_loop().create_task(asyncio.to_thread(_malloc_trim))
+        """After a burst of buffers (or many while buffers stay busy), hand the allocator's free memory back to the
+        system (glibc keeps it otherwise); at most once per TRIM_INTERVAL_S, off the event loop."""
+        loop = asyncio.get_running_loop()
+        if (
+            self._trimming is not None
+            and not self._trimming.done()
+            or loop.time() - self._trimmed_at < TRIM_INTERVAL_S
+        ):
+            return
+        self._peak_bytes = self._released = 0
+        self._trimmed_at = loop.time()
+        self._trimming = loop.create_task(asyncio.to_thread(_malloc_trim))
 
     # --- sessions
     def open_session(self, peer: str) -> None:
