@@ -3,6 +3,7 @@ client: answers equal local greedy generation, streams, stop strings, n, concurr
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import socket
@@ -15,11 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import openai
+import psutil
 import pytest
 import torch
 from transformers import AutoTokenizer
 
+from swarmlm.api.engine import Engine, SamplingParams
 from swarmlm.api.service import READY_LINE
+from swarmlm.models.loading import load_tokenizer
 from swarmlm.tools.local_swarm import LocalSwarm
 from tests.conftest import connected_model, load_reference, running_swarm
 from tests.integration.http_process import http_process, http_server
@@ -415,3 +419,93 @@ def test_a_field_the_server_does_not_implement_gets_a_400_naming_it(
         else:
             client.completions.create(model=NAME, prompt="Hello", max_tokens=2, **options)
     assert error.value.param == param and param in error.value.message
+
+
+def test_malformed_bodies_are_400_never_500(api_url: str) -> None:
+    """Bodies a stranger can send for free: each is the caller's error, said as such."""
+    url, base = f"{api_url}/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}]}
+    deep = b'{"model": "x", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    cases = {
+        "nesting 100,000 deep": deep,
+        "seed 2^70": json.dumps({**base, "seed": 2**70}).encode(),
+        "max_tokens as a string": json.dumps({**base, "max_tokens": "8"}).encode(),
+        "n as a string": json.dumps({**base, "n": "2"}).encode(),
+        "stream as 1": json.dumps({**base, "stream": 1}).encode(),
+    }
+    for name, body in cases.items():
+        code, reply = post(url, body)
+        assert code == 400, (name, code, reply)
+        assert reply["error"]["type"] == "invalid_request_error" and reply["error"]["message"], name
+
+
+def test_half_sent_requests_are_cut_off_and_hold_no_descriptor(smollm_dir: Path, swarm: LocalSwarm) -> None:
+    """Connections that send a request's headers (or body) a byte at a time, or never finish, are closed after
+    --http-timeout; the API's descriptors come back, and a whole request is answered meanwhile."""
+    args = ["api", str(smollm_dir), "--served-model-name", NAME, "--port", "0", "--http-timeout", "2",
+            "--initial-peers", *swarm.initial_peers]  # fmt: skip
+    with http_server(args, READY_LINE, stopped_by_test=False) as (url, popen):
+        host, port = url.removeprefix("http://").split(":")
+        process = psutil.Process(popen.pid)
+        before = process.num_fds()
+        sockets = []
+        for i in range(200):
+            sock = socket.create_connection((host, int(port)))
+            if i % 2:  # headers that never end
+                sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+            else:  # headers whole, then a body that never comes
+                sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{")
+            sockets.append(sock)
+        try:
+            assert process.num_fds() >= before + 150
+            code, reply = post(f"{url}/v1/models", b"", method="GET")
+            assert code == 200
+            deadline = time.monotonic() + 20
+            while process.num_fds() > before + 10 and time.monotonic() < deadline:
+                time.sleep(0.5)
+            held = process.num_fds() - before
+            closed = sum(1 for sock in sockets if _closed(sock))
+        finally:
+            for sock in sockets:
+                sock.close()
+        print(f"\n200 half-sent requests: {closed} closed by the API, {held} descriptors still held")
+        assert held <= 10 and closed >= 190
+
+
+def _closed(sock: socket.socket) -> bool:
+    """Whether the API answered (408) or closed the connection."""
+    sock.settimeout(1.0)
+    try:
+        sock.recv(65536)
+    except TimeoutError:
+        return False
+    except ConnectionError:
+        return True
+    return True
+
+
+def test_a_generation_outgrowing_its_first_reservation_equals_local(
+    smollm_dir: Path, swarm: LocalSwarm, reference: torch.nn.Module
+) -> None:
+    """A request holds room on the servers for its prompt and a few new tokens, and grows its session (the history
+    replayed into a larger one) as the answer grows: every token equals local greedy decoding, for one choice and
+    for two."""
+    tokenizer = load_tokenizer(smollm_dir)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Tell me a long story about a dragon."}],
+                                        add_generation_prompt=True, return_dict=True)["input_ids"]  # fmt: skip
+    with torch.inference_mode():
+        local = reference.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False)[0, len(ids) :].tolist()
+    expected = tokenizer.decode(local, skip_special_tokens=True)
+    with connected_model(smollm_dir, swarm) as model:
+        engine = Engine(model, tokenizer, 8192, max_concurrent=2, initial_reserve=4)  # grows at 4, 8, 16, 32 tokens
+
+        async def answer(n: int) -> list[str]:
+            texts, usage = [""] * n, []
+            async for delta in engine.stream(ids, SamplingParams(40, temperature=0.0, n=n), usage):
+                texts[delta.index] += delta.text
+            return texts
+
+        try:
+            assert asyncio.run(answer(1)) == [expected]
+            assert asyncio.run(answer(2)) == [expected, expected]
+        finally:
+            engine.close()

@@ -59,6 +59,11 @@ async def openai_errors(request: web.Request, handler: Any) -> web.StreamRespons
         return ApiError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error").response()
 
 
+def user_of(request: web.Request) -> str:
+    """Who a request is from, for sharing the API's slots fairly (api/fair.py): the client's address."""
+    return request.remote or "unknown"
+
+
 def swarm_error(error: Exception) -> ApiError:
     """The reply for a failure while generating."""
     if isinstance(error, ApiError):
@@ -77,8 +82,11 @@ def swarm_error(error: Exception) -> ApiError:
 class Routes:
     """The routes of one server: the API when it has an engine, the monitor always."""
 
-    def __init__(self, engine: Engine | None, model_names: tuple[str, ...], monitor: Monitor):
+    def __init__(
+        self, engine: Engine | None, model_names: tuple[str, ...], monitor: Monitor, body_timeout_s: float = 15.0
+    ):
         self.engine, self.model_names, self.monitor = engine, model_names, monitor
+        self.body_timeout_s = body_timeout_s  # longest a request's body may take to arrive
         self.created = int(time.time())
         self.names = None if engine is None else TokenNames(engine.tokenizer)
 
@@ -107,6 +115,14 @@ class Routes:
         data = [{"id": self.model_names[0], "object": "model", "created": self.created, "owned_by": "swarmlm"}]
         return web.json_response({"object": "list", "data": data})
 
+    async def _body(self, request: web.Request) -> bytes:
+        """The request's body, within body_timeout_s (a body sent a byte at a time would hold a handler for ever)."""
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                return await request.read()
+        except TimeoutError as e:
+            raise ApiError(408, f"the request's body did not arrive within {self.body_timeout_s:.0f} s") from e
+
     def _engine(self, body: _Request) -> Engine:
         if self.engine is None:
             raise ApiError(404, "this server has no model")
@@ -116,7 +132,7 @@ class Routes:
         return self.engine
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        body = parse_body(await request.read(), ChatRequest)
+        body = parse_body(await self._body(request), ChatRequest)
         engine = self._engine(body)
         try:
             prompt = engine.chat_prompt([message.as_template_input() for message in body.messages])
@@ -125,7 +141,7 @@ class Routes:
         return await self._complete(request, body, prompt, body.new_tokens(), chat=True)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body = parse_body(await request.read(), CompletionRequest)
+        body = parse_body(await self._body(request), CompletionRequest)
         engine = self._engine(body)
         return await self._complete(request, body, engine.text_prompt(body.text()), body.max_tokens, chat=False)
 
@@ -145,7 +161,7 @@ class Routes:
         names = self.names if logprobs is not None else None
         reply = Reply(chat, body.model, body.n, body.include_usage(), names)
         usage: list[Usage] = []
-        async with contextlib.aclosing(engine.stream(prompt, params, usage)) as deltas:
+        async with contextlib.aclosing(engine.stream(prompt, params, usage, user_of(request))) as deltas:
             try:
                 first = await anext(deltas, None)  # errors before the first token get a plain error reply
             except Exception as e:  # noqa: BLE001 - mapped to its HTTP status

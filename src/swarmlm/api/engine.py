@@ -22,12 +22,25 @@ from typing import Any
 
 import torch
 
+from swarmlm.api.fair import FairSlots
 from swarmlm.client.model import DistributedCausalLMMixin
 
 logger = logging.getLogger(__name__)
 
 # how many finished requests the monitor's latency table keeps
 RECENT_REQUESTS = 20
+# new tokens a generation's session holds room for at first (server/cache.py budgets are per token)
+INITIAL_RESERVE = 256
+
+
+def reservation(prompt: int, generated: int, max_new: int, current: int, initial: int = INITIAL_RESERVE) -> int:
+    """The session length to hold for a generation of up to max_new tokens after `prompt`, `generated` of them made
+    in a session of `current` (0: none yet): the prompt and `initial` new tokens, then twice as many new tokens each
+    time they are used up (so replaying the history into a larger session costs at most about twice the tokens),
+    never more than the request may generate."""
+    if current == 0:
+        return prompt + min(max_new, initial)
+    return prompt + min(max_new, max(initial, 2 * (current - prompt), generated + 1))
 
 
 class ContextTooLongError(ValueError):
@@ -179,11 +192,14 @@ class Engine:
     tokenizer: Any  # transformers' tokenizers return unions that depend on their flags
     context_tokens: int  # the model's context: prompt plus new tokens must fit
     max_concurrent: int  # requests generating at once; more wait for their turn
+    # a session first holds the prompt and this many new tokens on the servers, and grows when they are used (the
+    # history replayed into a larger one), so a request asking for the whole context does not hold it from the start
+    initial_reserve: int = INITIAL_RESERVE
     recent: deque[RequestStats] = field(default_factory=lambda: deque(maxlen=RECENT_REQUESTS))
     route: list[tuple[str, int, int]] = field(default_factory=list)  # (peer, start, end) of the last session opened
 
     def __post_init__(self) -> None:
-        self._slots = asyncio.Semaphore(self.max_concurrent)  # used on the client's loop only
+        self._slots = FairSlots(self.max_concurrent)  # shared by users, on the client's loop only
         self._tasks: set[asyncio.Task[None]] = set()  # requests generating or waiting for a slot (client's loop)
         self.closing = False
         eos = self.model.generation_config.eos_token_id
@@ -221,7 +237,9 @@ class Engine:
             )
         return max_new_tokens
 
-    async def stream(self, prompt: list[int], params: SamplingParams, usage: list[Usage]) -> AsyncGenerator[Delta]:
+    async def stream(
+        self, prompt: list[int], params: SamplingParams, usage: list[Usage], user: str = ""
+    ) -> AsyncGenerator[Delta]:
         """The choices' text deltas as they are generated; `usage` gets the token counts at the end. Closing the
         iterator early (the client went away) stops the generation and closes its session."""
         if self.closing:
@@ -237,7 +255,7 @@ class Engine:
         began = time.perf_counter()
         stats: dict[str, Any] = {"first": None, "tokens": 0, "outcome": "cancelled"}
         try:
-            self.model.client.loop.submit(self._run(prompt, params, emit, cancelled, stats))
+            self.model.client.loop.submit(self._run(prompt, params, emit, cancelled, stats, user))
         except RuntimeError as e:  # the client's loop is closed
             stats["outcome"] = type(e).__name__
             raise RuntimeError("the swarm connection is closed") from e
@@ -267,13 +285,15 @@ class Engine:
         emit: Callable[[object], None],
         cancelled: threading.Event,
         stats: dict[str, Any],
+        user: str = "",
     ) -> None:
-        """Generate on the client's loop, once a slot is free; every result and error goes through emit, then _END."""
+        """Generate on the client's loop, once a slot is free (api/fair.py: `user`'s turn); every result and error
+        goes through emit, then _END."""
         task = asyncio.current_task()
         if task is not None:
             self._tasks.add(task)
         try:
-            async with self._slots:
+            async with self._slots.hold(user):
                 if not cancelled.is_set():
                     await self._generate(prompt, params, emit, cancelled, stats)
             if not cancelled.is_set():
@@ -302,11 +322,18 @@ class Engine:
         choices = [ChoiceText(self.tokenizer, params.stop, self.eos_ids) for _ in range(params.n)]
         pending: list[list[TokenLogprob]] = [[] for _ in range(params.n)]  # per choice, not yet in a delta
         ids = torch.tensor([prompt] * params.n, dtype=torch.long)  # (n, tokens)
-        session = self.model.inference_session(max_length=len(prompt) + params.max_new_tokens)
+        reserved = reservation(len(prompt), 0, params.max_new_tokens, 0, self.initial_reserve)
+        session = self.model.inference_session(max_length=reserved)
         try:
-            for _ in range(params.max_new_tokens):
+            for generated in range(params.max_new_tokens):
                 if cancelled.is_set():
                     return
+                if len(prompt) + generated > reserved:  # the servers' cache holds no more: a larger session
+                    reserved = reservation(
+                        len(prompt), generated, params.max_new_tokens, reserved, self.initial_reserve
+                    )
+                    await session.aclose()
+                    session = self.model.inference_session(max_length=reserved)  # replays prompt and tokens so far
                 logits = await self.model.anext_logits(session, ids)  # (n, vocab)
                 if stats["first"] is None:
                     stats["first"] = time.perf_counter()

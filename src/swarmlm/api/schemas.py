@@ -64,9 +64,10 @@ def _shown(neutral: tuple[Any, ...]) -> str:
 
 
 class _Strict(BaseModel):
-    """Unknown fields are refused by name: a field silently ignored would change the answer without a word."""
+    """Unknown fields are refused by name: a field silently ignored would change the answer without a word. Types are
+    strict, as OpenAI's are: "8" is no number of tokens, nor 1 a boolean."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
     # OpenAI's fields this server does not implement, with the values that ask for nothing (accepted, dropped)
     UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {}
 
@@ -93,7 +94,7 @@ class _Request(_Strict):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(1 << 63), lt=1 << 64)  # what a generator's seed can be
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # a label of the end user for OpenAI's abuse monitoring: accepted, unused
@@ -211,6 +212,8 @@ def parse_body(raw: bytes, schema: type[RequestT]) -> RequestT:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"We could not parse the JSON body of your request: {e}") from e
+    except RecursionError as e:  # nesting deeper than the parser goes: no request of ours is anything like it
+        raise ApiError(400, "We could not parse the JSON body of your request: it is nested too deeply") from e
     if not isinstance(data, dict):
         raise ApiError(400, "The request body must be a JSON object.")
     try:

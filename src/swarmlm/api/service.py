@@ -29,6 +29,9 @@ READY_LINE = "API ready: "  # then the base URL; tests and the demo wait for it
 MONITOR_READY_LINE = "Monitor ready: "
 # on SIGINT/SIGTERM, how long handlers still running may take to finish (the engine has ended their generations)
 SHUTDOWN_TIMEOUT_S = 10.0
+# a connection that has not sent a whole request (headers, then body) in this long is closed, as is one idle as long
+# between requests: half-sent requests would otherwise hold a descriptor each for ever
+HTTP_TIMEOUT_S = 15.0
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,7 @@ class ApiOptions:
     # (--max-sessions-per-peer), and this server is one peer to them
     max_concurrent: int = 16
     missing_blocks_timeout_s: float = 10.0  # a request waits this long for missing blocks, then gets a 503
+    http_timeout_s: float = HTTP_TIMEOUT_S  # longest a request's headers, or its body, may take to arrive
 
 
 def served_names(model: str, served_name: str | None) -> tuple[str, ...]:
@@ -95,8 +99,9 @@ def run_api(options: ApiOptions, on_ready: Callable[[str], None] | None = None) 
             raise RuntimeError("the model's client has no DHT")
         monitor = Monitor(manager.dht, lambda: client_info(model, engine))
         try:
-            routes = Routes(engine, names, monitor)
-            asyncio.run(_serve(routes, monitor, options.host, options.port, READY_LINE, on_ready, engine.close))
+            routes = Routes(engine, names, monitor, options.http_timeout_s)
+            asyncio.run(_serve(routes, monitor, options.host, options.port, READY_LINE, on_ready, engine.close,
+                               options.http_timeout_s))  # fmt: skip
         finally:
             engine.close()
 
@@ -137,6 +142,7 @@ def _client_dht(initial_peers: tuple[str, ...]) -> Any:
 async def _serve(
     routes: Routes, monitor: Monitor, host: str, port: int, ready_line: str,
     on_ready: Callable[[str], None] | None = None, on_stop: Callable[[], None] | None = None,
+    http_timeout_s: float = HTTP_TIMEOUT_S,
 ) -> None:  # fmt: skip
     """Serve until SIGINT or SIGTERM; then on_stop (the engine ends the requests still generating, whose handlers
     then finish) before the server closes its connections."""
@@ -145,7 +151,8 @@ async def _serve(
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     # a client that disconnects cancels its handler at once: its generation stops and its session closes
-    runner = web.AppRunner(routes.app(), handler_cancellation=True, access_log=None)
+    # keepalive_timeout also closes a connection that has not sent a whole request's headers since it opened
+    runner = web.AppRunner(routes.app(), handler_cancellation=True, access_log=None, keepalive_timeout=http_timeout_s)
     await runner.setup()
     try:
         site = web.TCPSite(runner, host, port, shutdown_timeout=SHUTDOWN_TIMEOUT_S)

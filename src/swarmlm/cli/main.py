@@ -88,6 +88,8 @@ def _add_api_parsers(sub: argparse._SubParsersAction) -> None:
     api.add_argument("--served-model-name", default=None, help="the model's name in the API")
     api.add_argument("--max-concurrent", type=positive_int, default=16,
                      help="requests generating at once (servers allow 16 sessions per peer by default)")  # fmt: skip
+    api.add_argument("--http-timeout", type=positive, default=15.0, help="seconds a client may take to send a "
+                     "request's headers, or its body; idle connections close after as long")  # fmt: skip
     monitor = sub.add_parser("monitor", help="serve the swarm monitor page (no API)")
     add_config_flags(monitor, ClientConfig, ["initial_peers"], initial_peers=CLIENT_PEERS)
     monitor.add_argument("--host", default="127.0.0.1", help="HTTP interface (default: this machine only)")
@@ -122,7 +124,7 @@ def _api(args: argparse.Namespace) -> None:
     run_api(ApiOptions(
         model=args.model, initial_peers=tuple(args.initial_peers), host=args.host, port=args.port,
         served_name=args.served_model_name, dht_prefix=args.dht_prefix, max_concurrent=args.max_concurrent,
-        missing_blocks_timeout_s=args.missing_blocks_timeout,
+        missing_blocks_timeout_s=args.missing_blocks_timeout, http_timeout_s=args.http_timeout,
     ))  # fmt: skip
 
 
