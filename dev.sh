@@ -53,10 +53,16 @@ case "${1:-}" in
     setup) setup ;;
     demo) setup; shift; exec "$VENV/bin/swarmlm" demo "$@" ;;
     test) setup_test; shift
-          "$VENV/bin/ruff" check src tests bench; "$VENV/bin/ruff" format --check src tests bench; "$VENV/bin/mypy"
+          "$VENV/bin/ruff" check src tests bench; "$VENV/bin/ruff" format --check src tests bench
+          if [ "${1:-}" = "--quick" ]; then
+              # before every commit: lint, the unit tests and one shared real swarm (tests/integration/test_smoke.py)
+              shift
+              exec "$PY" -m pytest tests/unit tests/integration/test_smoke.py "$@"
+          fi
+          "$VENV/bin/mypy"
           build_docs
           exec "$PY" -m pytest "$@" ;;
     bench) setup; shift; exec "$PY" bench/run.py "$@" ;;
     docs) install_deps test; shift; NO_MKDOCS_2_WARNING=1 exec "$VENV/bin/mkdocs" serve "$@" ;;
-    *) echo "usage: ./dev.sh setup|demo|test|bench|docs [args...]" >&2; exit 2 ;;
+    *) echo "usage: ./dev.sh setup|demo|test [--quick]|bench|docs [args...]" >&2; exit 2 ;;
 esac
