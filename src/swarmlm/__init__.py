@@ -16,14 +16,13 @@ from swarmlm.errors import (
     SwarmError,
     UnreachablePeersError,
 )
+from swarmlm.version import __version__ as __version__
 
 if TYPE_CHECKING:
     from swarmlm.client.model import AutoDistributedModelForCausalLM
     from swarmlm.client.remote_sequential import RemoteSequential
     from swarmlm.client.tokenizer import AutoTokenizer
     from swarmlm.config import ClientConfig, ServerConfig
-
-__version__ = "0.1.0"
 
 
 class _DropOptionalKernelNotice(logging.Filter):

@@ -15,7 +15,6 @@ from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 from transformers import PretrainedConfig
 
-from swarmlm import __version__
 from swarmlm.checks import check_device
 from swarmlm.config import ServerConfig
 from swarmlm.errors import SwarmError
@@ -45,6 +44,7 @@ from swarmlm.swarm.dht import check_announce_maddrs, check_relay_maddrs, relay_c
 from swarmlm.swarm.keyfile import load_or_create_identity
 from swarmlm.swarm.private import blind_prefix
 from swarmlm.swarm.records import ServerRecord, ServerState, announce, fetch_servers
+from swarmlm.version import __version__
 
 logger = logging.getLogger(__name__)
 
