@@ -14,7 +14,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from swarmlm.server.scheduler import BatchLimits, DecodeStep, Kind, Scheduler, Task, next_batch
-from swarmlm.server.scheduling import LONG_KINDS, Decision, SchedulerState, schedule
+from swarmlm.server.scheduling import LONG_KINDS, LONG_TURNS, Decision, SchedulerState, schedule
 
 LIMITS = BatchLimits(max_sessions=3, max_rows=4)
 
@@ -241,7 +241,8 @@ def test_a_failure_reaches_its_callers_and_the_queue_goes_on() -> None:
 
 
 def test_inference_steps_run_between_the_blocks_of_a_long_request() -> None:
-    """A long request runs a quantum (block) at a time: a step that arrives meanwhile waits one quantum, not all."""
+    """A long request runs a quantum (block) at a time: a step that arrives meanwhile waits at most LONG_TURNS
+    quanta, not all."""
     order: list[str] = []
     started, queued = threading.Event(), threading.Event()
 
@@ -265,8 +266,8 @@ def test_inference_steps_run_between_the_blocks_of_a_long_request() -> None:
         return [await forward, await step]
 
     assert asyncio.run(main()) == ["forward done", "step done"]
-    # the step ran right after the block in progress, before the forward's other blocks
-    assert order == ["block 0", "step", "block 1", "block 2", "block 3"], order
+    # the step ran after at most LONG_TURNS blocks, before the forward's other blocks
+    assert order == [f"block {b}" for b in range(LONG_TURNS)] + ["step"] + [f"block {b}" for b in range(LONG_TURNS, 4)]
 
 
 def test_a_caller_that_gives_up_stops_its_long_request() -> None:
@@ -448,14 +449,16 @@ def simulate_turns(queue: list[Task], refill, turns: int) -> list[Task]:  # noqa
 @pytest.mark.parametrize("long_kind", [Kind.PROMPT, Kind.FORWARD, Kind.BACKWARD])
 def test_short_steps_and_long_work_take_turns_so_neither_floods_out_the_other(long_kind: Kind) -> None:
     """Six peers' long prompts (or a trainer's forwards) against sessions decoding flat out: whichever floods, the
-    other runs every other turn, so a decode step waits for at most one quantum and the long work gets about half
-    of the compute thread."""
+    other keeps its turns: a decode step waits for at most LONG_TURNS quanta, and the long work gets LONG_TURNS
+    quanta per decode batch."""
     seq = iter(range(10**6))
     queue = [Task(long_kind, f"flood{i}", next(seq), host="10.0.0.9") for i in range(6)]
     queue += [Task(Kind.INFERENCE, f"user{i}", next(seq), decode=decode(), host=f"10.0.1.{i}") for i in range(4)]
     ran = simulate_turns(queue, lambda task: dataclasses.replace(task, seq=next(seq)), 40)
-    kinds = ["long" if task.kind in LONG_KINDS else "short" for task in ran]
-    assert kinds == ["long", "short"] * 20 or kinds == ["short", "long"] * 20, kinds
+    kinds = "".join("L" if task.kind in LONG_KINDS else "s" for task in ran)
+    # LONG_TURNS quanta of long work, then a batch of short steps, over and over
+    assert "L" * (LONG_TURNS + 1) not in kinds and "ss" not in kinds, kinds
+    assert abs(kinds.count("L") - LONG_TURNS * kinds.count("s")) <= LONG_TURNS, kinds
 
 
 def test_turns_go_round_hosts_before_peers() -> None:
@@ -477,7 +480,9 @@ def test_alone_long_work_and_short_steps_run_as_before() -> None:
     state.served(["a"], {"b", "h2"}, ["h1"], long=True)
     assert seqs(schedule(queue, state, limits, 0.0).batch) == [2]  # b's host was not served yet
     step = Task(Kind.INFERENCE, "c", 3, decode=decode(), host="h3")
-    assert seqs(schedule([*queue, step], state, limits, 0.0).batch) == [3]  # long work ran last: the step goes
+    state.served(["b"], {"a", "h1"}, ["h2"], long=True)
+    assert state.long_turns == LONG_TURNS
+    assert seqs(schedule([*queue, step], state, limits, 0.0).batch) == [3]  # long work had its turns: the step goes
 
 
 def test_a_fresh_sessions_long_prompt_runs_in_quanta_while_sessions_decode() -> None:

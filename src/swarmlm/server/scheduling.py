@@ -31,7 +31,7 @@ class Kind(IntEnum):
     INFERENCE is a session's short step (a decode step, a few speculative tokens, a prompt of at most a quantum):
     it runs whole, before long work. The rest is long work (a session's long prompt or replayed history, a forward,
     a backward): it runs in quanta, taking turns by host and peer whatever its kind, and while short steps wait it
-    still gets every other turn, so neither kind starves the other."""
+    still gets LONG_TURNS quanta per batch of them, so neither kind starves the other."""
 
     INFERENCE = 0
     PROMPT = 1
@@ -41,6 +41,10 @@ class Kind(IntEnum):
 
 # long work: runs in quanta and shares the compute thread with the short steps (Kind)
 LONG_KINDS = frozenset({Kind.PROMPT, Kind.FORWARD, Kind.BACKWARD})
+# while both wait, long work runs this many quanta per batch of short steps: a short step waits for at most that
+# many quanta, and a long request under a flood of short steps takes at most about (1 + 1/LONG_TURNS) its time
+# (a quantum and a decode batch cost about the same on a CPU)
+LONG_TURNS = 2
 
 
 @dataclass(frozen=True, eq=False)
@@ -225,7 +229,7 @@ class SchedulerState:
 
     last_served: dict[str, int] = field(default_factory=dict)  # peer -> the turn it was last served in
     host_served: dict[str, int] = field(default_factory=dict)  # host -> the turn it was last served in
-    last_long: bool = False  # whether the last batch run was a quantum of long work (Kind)
+    long_turns: int = 0  # quanta of long work run since the last batch of short steps (Kind)
     rhythms: dict[int, Rhythm] = field(default_factory=dict)  # decode steps' timing of each session, by cache id
     busy: deque[tuple[float, float]] = field(default_factory=deque)  # (start, end) of the compute thread's runs
     turns: int = 0
@@ -250,7 +254,7 @@ class SchedulerState:
         """A batch of these peers' requests (from these hosts; `long`: a quantum of long work) runs: one turn; the
         oldest peers and hosts not `waiting` are forgotten past MAX_REMEMBERED_PEERS."""
         self.turns += 1
-        self.last_long = long
+        self.long_turns = self.long_turns + 1 if long else 0
         for peer in peers:
             self.last_served[peer] = self.turns
         for host in hosts:
@@ -355,10 +359,10 @@ def quantum(queue: Sequence[Task], state: SchedulerState, limits: BatchLimits, n
 def schedule(queue: Sequence[Task], state: SchedulerState, limits: BatchLimits, now: float) -> Decision:
     """The next batch (next_batch, cut to a cohort for decode steps and prompts), or a wait for more steps of a
     cohort, and the size of a long task's next quantum. While short steps and long work both wait, they take turns
-    (a quantum of long work after each short batch): a flood of either leaves the other about half the compute
-    thread, and a short step waits for at most one quantum. Reads the queue and the state, changes neither."""
+    (LONG_TURNS quanta of long work per short batch): a flood of either leaves the other a good share of the compute
+    thread, and a short step waits for at most LONG_TURNS quanta. Reads the queue and the state, changes neither."""
     everything, long = queue, [task for task in queue if task.kind in LONG_KINDS]
-    if long and not state.last_long and len(long) < len(queue):
+    if long and state.long_turns < LONG_TURNS and len(long) < len(queue):
         queue = long  # long work's turn: decided as if only it waited (the quantum's size sees everything)
     batch = next_batch(queue, limits, state.last_served, state.host_served)
     if not batch:
