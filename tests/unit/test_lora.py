@@ -239,3 +239,26 @@ def test_options_of_another_tuning_mode_are_refused_not_ignored(mode, options, n
     with pytest.raises(ValueError, match=named):
         # refused before anything is loaded or connected
         AutoDistributedModelForCausalLM.from_pretrained("no-such-model", tuning_mode=mode, **options)
+
+
+def test_a_long_step_with_lora_weights_in_pieces_equals_one_run(span: SpanModel) -> None:
+    """A session step longer than a quantum runs a block at a time (scheduling.Kind.PROMPT) with each block's slice
+    of the session's own LoRA weights: its output equals the span's one run with all of them."""
+    from swarmlm.models.growing_cache import GrowingCache
+
+    backend = SpanBackend(span, torch.float32, "cpu", 8192)
+    lora = random_lora(span, 0, 5, seed=4)
+    x = SpanTensors(torch.randn(2, 200, 64, generator=torch.Generator().manual_seed(5)))  # 400 tokens > 256
+    assert backend.scheduler.limits.quantum_tokens < 400
+    (stepped,), _ = asyncio.run(backend.step(GrowingCache(), 0, 5, x, 1024, peer="s", lora=lora))
+    with torch.inference_mode():
+        alone = span(x.hidden, lora=lora)
+    assert torch.allclose(stepped, alone, atol=1e-5)
+    assert not torch.allclose(alone, span(x.hidden), atol=1e-3)  # the LoRA weights matter
+    # with deep prompts too: each block gets its own prompt
+    prompts = torch.randn(5, 3, 64, generator=torch.Generator().manual_seed(6))
+    with_prompts = SpanTensors(x.hidden, prompts=prompts)
+    (stepped,), _ = asyncio.run(backend.step(GrowingCache(), 0, 5, with_prompts, 1024, peer="s", lora=lora))
+    with torch.inference_mode():
+        assert torch.allclose(stepped, span(x.hidden, prompts=prompts, lora=lora), atol=1e-5)
+    backend.shutdown()

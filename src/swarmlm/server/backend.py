@@ -300,11 +300,11 @@ class SpanBackend:
                 if first > start:
                     budget = yield  # a long step's next piece: its chunk through the next block
                 block_prompts = None if prompts is None else prompts[first - start : last - start]
-                block_lora = None if lora is None or not in_pieces else lora.blocks(first, last)
+                block_lora = None if lora is None else lora.blocks(first, last)
                 with spent, torch.inference_mode():
                     out = self.span(
                         out, start=first, end=last, cache=cache, prompts=block_prompts, adapter=adapter,
-                        lora=block_lora if in_pieces else lora, attention_mask=mask, position_ids=positions,
+                        lora=block_lora, attention_mask=mask, position_ids=positions,
                     )  # fmt: skip
             outputs.append(out)
             begin = stop
