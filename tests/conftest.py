@@ -14,7 +14,12 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from swarmlm import AutoDistributedModelForCausalLM
 from swarmlm.models.loading import DEFAULT_MODEL, load_config, resolve_model
+from swarmlm.tools import prefork
 from swarmlm.tools.local_swarm import LocalSwarm
+
+# servers of the tests' swarms are forked from a process that imported the server's code once (tools/prefork.py):
+# about 4 s of CPU less per server, of the ~190 the suite starts; tests/integration/test_processes.py checks both ways
+os.environ.setdefault(prefork.ENV_SWITCH, "1")
 
 # fp32 logits through the swarm must match a local run this closely
 LOGITS_ATOL = 1e-4
@@ -94,12 +99,16 @@ def descendants() -> list[psutil.Process]:
     return alive
 
 
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """The suite fails if any process it started (servers, DHT nodes, p2pd) is still running at its end."""
+@pytest.fixture(scope="session", autouse=True)
+def no_process_left_behind() -> Iterator[None]:
+    """The run fails if any process its tests started (servers, DHT nodes, p2pd) is still running once every other
+    fixture has stopped: set up first, this is torn down last, in each parallel worker (pytest-xdist) as in a plain
+    run, and its error fails the run there too."""
+    yield
+    prefork.close_all()  # the forkers that started servers (SWARMLM_PREFORK) live as long as the run
     gone, alive = psutil.wait_procs(descendants(), timeout=10)
     if alive:
-        names = ", ".join(f"{p.pid}:{p.name()}" for p in alive)
-        print(f"\nERROR: processes left behind by the test suite: {names}")
+        names = ", ".join(f"{p.pid}:{p.name()} ({' '.join(p.cmdline())[:200]})" for p in alive)
         for process in alive:
             process.kill()
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        pytest.fail(f"processes left behind by the tests: {names}", pytrace=False)

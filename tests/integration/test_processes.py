@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -11,8 +12,10 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 import torch
 
+from swarmlm.tools import prefork as preforking
 from tests.conftest import connected_model, running_swarm
 
 # a user's script: a local swarm and a connected client, then it hangs until killed
@@ -43,10 +46,13 @@ def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
     return alive
 
 
-def test_sigkill_of_the_parent_takes_every_child_down(tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("prefork", ["0", "1"], ids=["spawned", "forked"])
+def test_sigkill_of_the_parent_takes_every_child_down(tiny_model_dir: Path, prefork: str) -> None:
+    # servers spawned as users' swarms start them, and forked as the test suite's do (tools/prefork.py)
     parent = subprocess.Popen(
-        [sys.executable, "-c", USER_SCRIPT, str(tiny_model_dir)], stdout=subprocess.PIPE, text=True
-    )
+        [sys.executable, "-c", USER_SCRIPT, str(tiny_model_dir)], stdout=subprocess.PIPE, text=True,
+        env={**os.environ, preforking.ENV_SWITCH: prefork},
+    )  # fmt: skip
     try:
         pids = json.loads(parent.stdout.readline())
         names = {psutil.Process(pid).name() for pid in pids}

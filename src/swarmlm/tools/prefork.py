@@ -1,0 +1,327 @@
+"""Server processes forked from one that imported the server's code once, for swarms that start many servers.
+
+Importing torch, transformers and hivemind costs a `swarmlm serve` process about 4 s of CPU before it does
+anything; a test suite or benchmark that starts hundreds of servers spends most of its time there. A forker is a
+process (bound to this one) that imports the server's modules once, then forks a child for each server asked for:
+the child sets the environment, working directory and output it was given and runs `swarmlm.cli.main.main` with the
+command line, as `python -m swarmlm.cli.main` would. Everything after the fork is the ordinary server.
+
+What a fork cannot change: modules read some environment variables when they are imported (OpenMP's wait policy,
+huggingface_hub's endpoint and cache), so a forker serves only the environment it was started with, and another
+environment gets its own forker. Children die with their forker, which dies with this process, as spawned servers
+die with it (utils/processes.py).
+
+`LocalSwarm` uses it when SWARMLM_PREFORK=1 (the test suite sets it); otherwise servers are spawned as usual.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import IO, Any
+
+from swarmlm.errors import SwarmError
+from swarmlm.utils.processes import set_parent_death_signal, spawn_bound
+
+logger = logging.getLogger(__name__)
+
+ENV_SWITCH = "SWARMLM_PREFORK"
+# the command line a forker can run: `python -m swarmlm.cli.main ...`
+MODULE = "swarmlm.cli.main"
+# what `swarmlm serve` imports before it loads a model: importing it here is the point of the forker
+PRELOAD = ("swarmlm.cli.main", "swarmlm.server.server", "swarmlm.models.span", "swarmlm.models.registry")
+# a forker that has not imported its modules within this time is broken (it takes ~5 s on a loaded 2-core machine)
+READY_TIMEOUT_S = 120.0
+# how often the forker reaps its children when no request arrives
+REAP_INTERVAL_S = 0.1
+_HEADER = struct.Struct("!I")
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV_SWITCH, "") == "1"
+
+
+def can_fork(args: Sequence[str]) -> bool:
+    """Whether `args` is a command line a forker runs: this interpreter with `-m swarmlm.cli.main`."""
+    return len(args) >= 3 and args[0] == sys.executable and args[1] == "-m" and args[2] == MODULE
+
+
+class ForkedProcess:
+    """A child of a forker, with the part of subprocess.Popen's interface that servers' owners use."""
+
+    def __init__(self, forker: Forker, pid: int, stdout: IO[str] | None):
+        self.forker, self.pid, self.stdout = forker, pid, stdout
+        self.args: list[str] = []
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.forker.exit_code(self.pid)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            code = self.poll()
+            if code is not None:
+                return code
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+            self.forker.wait_for_exit(self.pid, left)
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class Forker:
+    """One forker process for one environment; `launch` is thread-safe."""
+
+    def __init__(self, env: Mapping[str, str]):
+        self.env = dict(env)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.process = spawn_bound(
+            [sys.executable, "-m", "swarmlm.tools.prefork", str(theirs.fileno())],
+            pass_fds=[theirs.fileno()], env=self.env, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        theirs.close()
+        self.sock = ours
+        self._send_lock = threading.Lock()
+        self._changed = threading.Condition()
+        self._started: dict[int, int] = {}  # request number -> pid
+        self._exits: dict[int, int] = {}  # pid -> exit code (negative: killed by that signal), as Popen reports it
+        self._requests = 0
+        self._closed = False
+        threading.Thread(target=self._read_replies, name="swarmlm-prefork", daemon=True).start()
+
+    def launch(
+        self, args: Sequence[str], env: Mapping[str, str], cwd: str | None, process_group: bool
+    ) -> ForkedProcess:
+        """Fork a child running `args` (a `python -m swarmlm.cli.main ...` command line), its output into a pipe."""
+        read_end, write_end = os.pipe()
+        with self._send_lock:
+            self._requests += 1
+            number = self._requests
+            request = {"number": number, "argv": list(args[3:]), "env": dict(env), "cwd": cwd or os.getcwd(),
+                       "process_group": process_group}  # fmt: skip
+            payload = json.dumps(request).encode()
+            try:
+                socket.send_fds(self.sock, [_HEADER.pack(len(payload)) + payload], [write_end])
+            except OSError as e:
+                os.close(read_end)
+                raise SwarmError(f"the server forker is gone ({e})") from e
+            finally:
+                os.close(write_end)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        with self._changed:
+            while number not in self._started:
+                if self._closed or time.monotonic() > deadline:
+                    os.close(read_end)
+                    raise SwarmError(f"the server forker did not start a server (exit code {self.process.poll()})")
+                self._changed.wait(0.5)
+            pid = self._started.pop(number)
+        process = ForkedProcess(self, pid, os.fdopen(read_end, "r", errors="replace"))
+        process.args = list(args)
+        return process
+
+    def exit_code(self, pid: int) -> int | None:
+        with self._changed:
+            if pid in self._exits:
+                return self._exits[pid]
+            if self._closed:
+                return -signal.SIGKILL  # the forker died: so did its children (parent-death signal)
+        return None
+
+    def wait_for_exit(self, pid: int, timeout: float | None) -> None:
+        with self._changed:
+            if pid not in self._exits and not self._closed:
+                self._changed.wait(0.5 if timeout is None else min(timeout, 0.5))
+
+    def _read_replies(self) -> None:
+        buffer = b""
+        while True:
+            try:
+                data = self.sock.recv(65536)
+            except OSError:
+                data = b""
+            if not data:
+                break
+            buffer += data
+            *lines, buffer = buffer.split(b"\n")
+            with self._changed:
+                for line in lines:
+                    kind, first, second = line.decode().split()
+                    if kind == "started":
+                        self._started[int(first)] = int(second)
+                    elif kind == "exited":
+                        self._exits[int(first)] = int(second)
+                self._changed.notify_all()
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+
+
+_forkers: dict[str, Forker] = {}
+_forkers_lock = threading.Lock()
+
+
+def launch(args: Sequence[str], env: Mapping[str, str], cwd: str | None = None, process_group: bool = True) -> Any:
+    """A forked `args` (see can_fork) with `env`, from the forker of that environment (started now if none is)."""
+    key = hashlib.sha256(json.dumps(sorted(env.items())).encode()).hexdigest()
+    with _forkers_lock:
+        forker = _forkers.get(key)
+        if forker is None or forker._closed:
+            forker = _forkers[key] = Forker(env)
+    return forker.launch(args, env, cwd, process_group)
+
+
+def close_all(timeout_s: float = 10.0) -> None:
+    """Stop every forker of this process (their children, if any are left, die with them)."""
+    with _forkers_lock:
+        forkers = list(_forkers.values())
+        _forkers.clear()
+    for forker in forkers:
+        try:
+            forker.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        try:
+            forker.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            forker.process.kill()
+            forker.process.wait()
+        forker.sock.close()
+
+
+# ----- the forker process -----
+
+
+def _serve(sock: socket.socket) -> None:
+    import importlib
+
+    for module in PRELOAD:
+        importlib.import_module(module)
+    if threading.active_count() > 1:
+        # a fork copies only the forking thread: a lock another thread holds would stay locked in every child
+        raise SystemExit(f"prefork: importing {PRELOAD} started threads; forking is unsafe")
+    children: set[int] = set()
+    buffer = b""
+    while True:
+        readable, _, _ = select.select([sock], [], [], REAP_INTERVAL_S)
+        _reap(sock, children)
+        if not readable:
+            continue
+        data, fds, _, _ = socket.recv_fds(sock, 1 << 20, 4)
+        if not data:
+            return  # the owner is gone; the children follow by their parent-death signal
+        buffer += data
+        while len(buffer) >= _HEADER.size:
+            (length,) = _HEADER.unpack_from(buffer)
+            if len(buffer) < _HEADER.size + length:
+                break
+            request = json.loads(buffer[_HEADER.size : _HEADER.size + length])
+            buffer = buffer[_HEADER.size + length :]
+            output = fds.pop(0)
+            pid = os.fork()
+            if pid == 0:
+                _child(sock, request, output)  # never returns
+            os.close(output)
+            children.add(pid)
+            sock.sendall(f"started {request['number']} {pid}\n".encode())
+
+
+def _reap(sock: socket.socket, children: set[int]) -> None:
+    for pid in list(children):
+        try:
+            done, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            children.discard(pid)
+            continue
+        if done:
+            children.discard(pid)
+            sock.sendall(f"exited {pid} {os.waitstatus_to_exitcode(status)}\n".encode())
+
+
+def _child(sock: socket.socket, request: dict[str, Any], output: int) -> None:
+    code: object = 1
+    try:
+        sock.close()
+        if request["process_group"]:
+            os.setpgid(0, 0)
+        set_parent_death_signal(signal.SIGTERM)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.dup2(output, 1)
+        os.dup2(output, 2)
+        os.close(output)
+        os.close(devnull)
+        for stream in (sys.stdout, sys.stderr):
+            if isinstance(stream, io.TextIOWrapper):
+                stream.reconfigure(line_buffering=True)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        sys.argv = [MODULE, *request["argv"]]
+        # children of one forker would share its random states: seed them anew, as a new process would be
+        import random
+
+        import torch
+
+        random.seed()
+        torch.seed()
+        from swarmlm.cli.main import main
+
+        code = main(request["argv"])
+        # what the interpreter does at exit after `python -m`: join the threads left, then run the exit handlers
+        # (multiprocessing's stops the DHT's process)
+        threading._shutdown()  # type: ignore[attr-defined]
+        import atexit
+
+        atexit._run_exitfuncs()
+    except SystemExit as e:
+        code = e.code
+    except BaseException:  # noqa: BLE001 - a child must never return into the forker's loop
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code if isinstance(code, int) else 1)
+
+
+def _main() -> None:
+    set_parent_death_signal(signal.SIGKILL)
+    sock = socket.socket(fileno=int(sys.argv[1]))
+    _serve(sock)
+
+
+if __name__ == "__main__":
+    _main()
