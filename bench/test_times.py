@@ -46,7 +46,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--top", type=int, default=10, help="modules to list")
     args, pytest_args = parser.parse_known_args()
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=0",
+    command = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "--durations=0",
                "--durations-min=0", *pytest_args]  # fmt: skip
     run = subprocess.run(command, capture_output=True, text=True, check=False)
     found = modules(run.stdout)
@@ -57,6 +57,9 @@ def main() -> int:
               f"{module.total:>7.1f}s")  # fmt: skip
     setup = sum(module.setup + module.teardown for module in found.values())
     print(f"all {len(found)} modules: {total:.0f} s, of which set-up and teardown {setup:.0f} s")
+    for line in run.stdout.splitlines():
+        if line.startswith(("FAILED ", "ERROR ")):
+            print(line)
     summary = [line for line in run.stdout.splitlines() if " passed" in line or " failed" in line]
     print(summary[-1] if summary else run.stdout[-2000:] + run.stderr[-2000:])
     return run.returncode

@@ -47,6 +47,8 @@ READY_TIMEOUT_S = 120.0
 # how often the forker reaps its children when no request arrives
 REAP_INTERVAL_S = 0.1
 _HEADER = struct.Struct("!I")
+# forkers kept per process (one per environment): each holds ~0.5 GB of imported modules
+MAX_FORKERS = 3
 
 
 def enabled() -> bool:
@@ -112,6 +114,7 @@ class Forker:
         self._changed = threading.Condition()
         self._started: dict[int, int] = {}  # request number -> pid
         self._exits: dict[int, int] = {}  # pid -> exit code (negative: killed by that signal), as Popen reports it
+        self._live: set[int] = set()  # children not yet exited
         self._requests = 0
         self._closed = False
         threading.Thread(target=self._read_replies, name="swarmlm-prefork", daemon=True).start()
@@ -146,6 +149,24 @@ class Forker:
         process.args = list(args)
         return process
 
+    @property
+    def idle(self) -> bool:
+        with self._changed:
+            return not self._live and not self._started
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the forker (its children, if any are left, die with it)."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        try:
+            self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.sock.close()
+
     def exit_code(self, pid: int) -> int | None:
         with self._changed:
             if pid in self._exits:
@@ -175,12 +196,23 @@ class Forker:
                     kind, first, second = line.decode().split()
                     if kind == "started":
                         self._started[int(first)] = int(second)
+                        self._live.add(int(second))
                     elif kind == "exited":
                         self._exits[int(first)] = int(second)
+                        self._live.discard(int(first))
                 self._changed.notify_all()
         with self._changed:
             self._closed = True
             self._changed.notify_all()
+
+
+# variables no import reads, and which change often: pytest names the running test in one
+_IGNORED_ENV = ("PYTEST_CURRENT_TEST",)
+
+
+def _import_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The part of `env` that tells forkers apart: what imports might read."""
+    return {name: value for name, value in env.items() if name not in _IGNORED_ENV}
 
 
 _forkers: dict[str, Forker] = {}
@@ -189,11 +221,19 @@ _forkers_lock = threading.Lock()
 
 def launch(args: Sequence[str], env: Mapping[str, str], cwd: str | None = None, process_group: bool = True) -> Any:
     """A forked `args` (see can_fork) with `env`, from the forker of that environment (started now if none is)."""
-    key = hashlib.sha256(json.dumps(sorted(env.items())).encode()).hexdigest()
+    key = hashlib.sha256(json.dumps(sorted(_import_env(env).items())).encode()).hexdigest()
+    idle: list[Forker] = []
     with _forkers_lock:
-        forker = _forkers.get(key)
+        forker = _forkers.pop(key, None)
         if forker is None or forker._closed:
-            forker = _forkers[key] = Forker(env)
+            forker = Forker(env)
+        _forkers[key] = forker  # the most recently used last
+        if len(_forkers) > MAX_FORKERS:
+            # tests that change the environment leave forkers behind: stop the least recently used idle ones
+            keys = [k for k, f in _forkers.items() if f is not forker and f.idle][: len(_forkers) - MAX_FORKERS]
+            idle = [_forkers.pop(k) for k in keys]
+    for old in idle:
+        old.close()
     return forker.launch(args, env, cwd, process_group)
 
 
@@ -203,16 +243,7 @@ def close_all(timeout_s: float = 10.0) -> None:
         forkers = list(_forkers.values())
         _forkers.clear()
     for forker in forkers:
-        try:
-            forker.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        try:
-            forker.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            forker.process.kill()
-            forker.process.wait()
-        forker.sock.close()
+        forker.close(timeout_s)
 
 
 # ----- the forker process -----
