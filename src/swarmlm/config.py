@@ -73,12 +73,16 @@ def options(config: type) -> dict[str, tuple[Field[Any], Option]]:
 
 
 SERVER_DTYPES = ("float32", "bfloat16", "float16", "auto")
+MODEL_HELP = (
+    f"Hub repository ORG/NAME (or ORG/NAME/FILE.gguf), model name ({DEFAULT_MODEL}), .gguf file or Hugging Face folder"
+)
+REVISION_HELP = "branch, tag or commit of a Hub model (default: its default branch)"
 DHT_PREFIX_HELP = "swarm name, under which its records live on the DHT (default: derived from the model)"
 
 
 @dataclass(frozen=True)
 class ServerConfig:
-    model: str = field(metadata=positional(f"model name ({DEFAULT_MODEL}), .gguf file or Hugging Face folder"))
+    model: str = field(metadata=positional(MODEL_HELP))
     start_block: int = 0  # first block served (ignored when num_blocks is given); `swarmlm serve --blocks START:END`
     end_block: int = 0  # one past the last block served (ignored when num_blocks is given)
     num_blocks: int | None = option(
@@ -117,6 +121,15 @@ class ServerConfig:
     device: str = option("cpu", "torch device, e.g. cpu or cuda")
     dht_prefix: str | None = option(None, DHT_PREFIX_HELP)
     cache_dir: str | None = option(None, "where converted models are kept (default ~/.cache/swarmlm)")
+    revision: str | None = option(None, REVISION_HELP)
+    max_disk_space_gb: float | None = option(
+        None,
+        "GB the Hub cache may hold for this model: cached shards no served block needs are deleted, least recently "
+        "used first, to stay under it (never one in use; default: no limit)",
+        flag="--max-disk-space",
+        allowed=POSITIVE,
+        metavar="GB",
+    )
     max_tokens_per_request: int = option(8192, "batch * sequence tokens one request may carry", allowed=POSITIVE_INT)
     request_timeout_s: float = 60.0  # longest a request may take to arrive in full
     num_threads: int | None = option(None, "torch compute threads (default: torch's choice)", allowed=POSITIVE_INT)

@@ -179,9 +179,10 @@ def test_nonexistent_path_is_an_error(tmp_path: Path) -> None:
 
 
 def test_unknown_name_is_an_error() -> None:
+    # a name that is no known name, no path and no repository id ("org/name", tested in integration/test_hub.py)
     with pytest.raises(ModelLoadError, match="smollm2-135m-instruct") as info:
-        resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct")
-    assert "Hugging Face Hub is not supported" in str(info.value)
+        resolve_model("no-such-model")
+    assert "a Hub repository (ORG/NAME)" in str(info.value)
 
 
 def test_folder_without_config_is_an_error(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -36,7 +37,7 @@ HTTP_TIMEOUT_S = 15.0
 
 @dataclass(frozen=True)
 class ApiOptions:
-    model: str  # model name, .gguf file or Hugging Face folder (its blocks served by the swarm)
+    model: str  # Hub repository, model name, .gguf file or Hugging Face folder (its blocks served by the swarm)
     initial_peers: tuple[str, ...]  # multiaddrs of swarm peers
     host: str = "127.0.0.1"  # interface the HTTP server listens on
     port: int = 8000  # HTTP port (0: any free port)
@@ -47,12 +48,14 @@ class ApiOptions:
     max_concurrent: int = 16
     missing_blocks_timeout_s: float = 10.0  # a request waits this long for missing blocks, then gets a 503
     http_timeout_s: float = HTTP_TIMEOUT_S  # longest a request's headers, or its body, may take to arrive
+    revision: str | None = None  # branch, tag or commit of a Hub model (None: its default branch)
 
 
-def served_names(model: str, served_name: str | None) -> tuple[str, ...]:
+def served_names(model: str, served_name: str | None, model_dir: Path | None = None) -> tuple[str, ...]:
     """The names clients may ask for: the one /v1/models lists first (the chosen name, else the model's display
-    name: never a path), then the display and swarm names and the model argument as typed."""
-    name = model_name(model)
+    name: never a path), then the display and swarm names and the model argument as typed (a Hub repository's id,
+    as OpenAI clients of other servers name it). The names come from the folder `model` resolved to, if given."""
+    name = model_name(model if model_dir is None else model_dir)
     return tuple(dict.fromkeys([served_name or name.display, name.display, name.swarm, model]))
 
 
@@ -84,10 +87,10 @@ def run_api(options: ApiOptions, on_ready: Callable[[str], None] | None = None) 
     """Serve the API until SIGINT/SIGTERM; `on_ready` is called with the base URL once it listens (the port it got,
     when asked for port 0)."""
     check_can_listen(options.host, options.port)  # before the model loads and the swarm is joined
-    model_dir = resolve_model(options.model)
-    names = served_names(options.model, options.served_name)
-    # the swarm is named after the model as given, like its servers do (the folder it resolves to is named alike)
-    dht_prefix = options.dht_prefix or model_name(options.model).swarm
+    model_dir = resolve_model(options.model, revision=options.revision)
+    names = served_names(options.model, options.served_name, model_dir)
+    # the swarm is named after the resolved model, as its servers name it (a Hub model's after its commit)
+    dht_prefix = options.dht_prefix or model_name(model_dir).swarm
     with AutoDistributedModelForCausalLM.from_pretrained(
         str(model_dir), initial_peers=list(options.initial_peers),
         missing_blocks_timeout_s=options.missing_blocks_timeout_s, dht_prefix=dht_prefix,

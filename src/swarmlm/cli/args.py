@@ -21,6 +21,7 @@ from swarmlm.checks import (
 )
 from swarmlm.errors import ConfigError
 from swarmlm.models.constants import ADAPTER_CONFIG, DEFAULT_MODEL
+from swarmlm.models.hub import parse_hub_name
 
 if TYPE_CHECKING:
     from swarmlm.cli.flags import ConfigFlag
@@ -91,10 +92,13 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 
 def _check_model(model: str) -> None:
-    # only a path can be checked without the model loader (known names have neither a slash nor .gguf)
-    if ("/" in model or model.lower().endswith(".gguf")) and not Path(model).expanduser().exists():
-        raise ConfigError(f"model {model}: no such file or folder (a model is a known name such as "
-                          f"{DEFAULT_MODEL}, a .gguf file or a Hugging Face folder)")  # fmt: skip
+    # only a path or a repository id can be checked without the model loader (known names have neither a slash nor
+    # .gguf); whether the Hub has the repository is for the loader to ask
+    looks_like_path = "/" in model or model.lower().endswith(".gguf")
+    if looks_like_path and not Path(model).expanduser().exists() and parse_hub_name(model) is None:
+        raise ConfigError(f"model {model}: no such file or folder, nor a Hub repository ORG/NAME (a model is a Hub "
+                          f"repository, a known name such as {DEFAULT_MODEL}, a .gguf file or a Hugging Face "
+                          "folder)")  # fmt: skip
 
 
 def _check_file(path: str, flag: str) -> None:
@@ -133,6 +137,10 @@ def _check_http_listen(args: argparse.Namespace) -> None:
 
 
 def _check_demo(args: argparse.Namespace) -> None:
+    if args.model_name is not None:
+        if args.model != DEFAULT_MODEL:
+            raise ConfigError(f"two models given: {args.model_name} and --model {args.model}; give one")
+        _check_model(args.model_name)
     if args.api:  # the demo's API listens on 127.0.0.1 (demo.py), once its swarm has started: checked before that
         check_can_listen("127.0.0.1", args.api_port, "--api-port")
 

@@ -8,7 +8,7 @@ import sys
 
 from swarmlm.cli.args import Parser, check_arguments, port, positive, positive_int
 from swarmlm.cli.flags import Tweak, add_config_flags, config_values
-from swarmlm.config import ClientConfig, ServerConfig, options
+from swarmlm.config import MODEL_HELP, REVISION_HELP, ClientConfig, ServerConfig, options
 from swarmlm.errors import SwarmError
 from swarmlm.models.constants import DEFAULT_MODEL
 from swarmlm.sim import cli as simulate_cli
@@ -70,7 +70,10 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
         default=64,
         help="longest answer in tokens, in one-shot and chat modes (an answer cut there ends its turn)",
     )
-    demo.add_argument("--model", default=DEFAULT_MODEL, help="model to serve and chat with")
+    demo.add_argument("--model", default=DEFAULT_MODEL, help=f"model to serve and chat with: {MODEL_HELP}")
+    demo.add_argument("model_name", nargs="?", default=None, metavar="MODEL",
+                      help="the model, as a positional argument (instead of --model)")  # fmt: skip
+    demo.add_argument("--revision", default=None, help=REVISION_HELP)
     demo.add_argument("--chat", action="store_true", help="chat interactively, keeping one session across turns")
     demo.add_argument("--api", action="store_true", help="serve the OpenAI-compatible API (and monitor) on the swarm")
     demo.add_argument("--api-port", type=port, default=8000, help="HTTP port of --api")
@@ -78,7 +81,8 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 
 def _add_api_parsers(sub: argparse._SubParsersAction) -> None:
     api = sub.add_parser("api", help="serve an OpenAI-compatible HTTP API (and the monitor page) over a swarm")
-    api.add_argument("model", help=f"model name ({DEFAULT_MODEL}), .gguf file or Hugging Face folder")
+    api.add_argument("model", help=MODEL_HELP)
+    api.add_argument("--revision", default=None, help=REVISION_HELP)
     # ApiOptions' default: an HTTP request gives up on missing blocks sooner than a library call
     wait = Tweak(default=10.0, help="seconds a request waits for missing blocks before a 503")
     add_config_flags(api, ClientConfig, ["initial_peers", "dht_prefix", "missing_blocks_timeout_s"],
@@ -100,7 +104,8 @@ def _add_api_parsers(sub: argparse._SubParsersAction) -> None:
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
     train = sub.add_parser("train", help="tune prompts or LoRA on the shipped sentiment task through a swarm")
-    train.add_argument("--model", default=DEFAULT_MODEL, help="model to tune")
+    train.add_argument("--model", default=DEFAULT_MODEL, help=f"model to tune: {MODEL_HELP}")
+    train.add_argument("--revision", default=None, help=REVISION_HELP)
     add_config_flags(train, ClientConfig, ["initial_peers"],
                      initial_peers=Tweak(nargs="*", help="use this swarm (default: start one)"))  # fmt: skip
     train.add_argument("--servers", type=positive_int, default=2, help="servers of the local swarm")
@@ -125,6 +130,7 @@ def _api(args: argparse.Namespace) -> None:
         model=args.model, initial_peers=tuple(args.initial_peers), host=args.host, port=args.port,
         served_name=args.served_model_name, dht_prefix=args.dht_prefix, max_concurrent=args.max_concurrent,
         missing_blocks_timeout_s=args.missing_blocks_timeout, http_timeout_s=args.http_timeout,
+        revision=args.revision,
     ))  # fmt: skip
 
 
@@ -146,6 +152,7 @@ def _train(args: argparse.Namespace) -> None:
     run_training(
         TrainOptions(
             model=args.model,
+            revision=args.revision,
             initial_peers=tuple(args.initial_peers),
             servers=args.servers,
             tuning_mode=args.tuning_mode,
@@ -199,9 +206,10 @@ def _demo(args: argparse.Namespace) -> None:
         prompt=args.prompt,
         num_servers=args.servers,
         max_new_tokens=args.max_new_tokens,
-        model=args.model,
+        model=args.model_name or args.model,
         chat=args.chat,
         api_port=args.api_port if args.api else None,
+        revision=args.revision,
     )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -48,6 +48,7 @@ class DistributedCausalLMMixin(RemoteGenerationMixin):
         dtype: torch.dtype | str = torch.float32,
         torch_dtype: torch.dtype | str | None = None,
         cache_dir: str | os.PathLike | None = None,
+        revision: str | None = None,
         tuning_mode: str | None = None,
         pre_seq_len: int | None = None,
         lora_rank: int | None = None,
@@ -57,7 +58,10 @@ class DistributedCausalLMMixin(RemoteGenerationMixin):
         client: SwarmClient | None = None,
         **client_options: Any,
     ) -> DistributedCausalLMMixin:
-        """Load the local parts of `model` (a name, .gguf or HF folder) and connect to the swarm serving its blocks.
+        """Load the local parts of `model` (a Hub repository "org/name", a name, .gguf or HF folder) and connect to
+        the swarm serving its blocks. A Hub model is fetched at `revision` (a branch, tag or commit; default: its
+        default branch), and only the files of the local parts: config, tokenizer and the shards holding the
+        embeddings, the final norm and the LM head.
 
         dtype is that of the local parts ("auto": the checkpoint's); torch_dtype is its older name, as in Petals.
         tuning_mode "ptune" or "deep_ptune" adds pre_seq_len (default 16) trainable prompts (the only trainable
@@ -76,7 +80,7 @@ class DistributedCausalLMMixin(RemoteGenerationMixin):
         if unknown:
             raise TypeError(f"unknown option(s) {sorted(unknown)}; client options are {sorted(known)}")
         if client is None:
-            client_config = _client_config(model, initial_peers, swarm_key, client_options)
+            client_config = _client_config(initial_peers, swarm_key, client_options)
         else:
             client_config = _shared_config(client, initial_peers, swarm_key, client_options)
         if tuning_mode == "lora" and client_config.active_adapter is not None:
@@ -85,7 +89,10 @@ class DistributedCausalLMMixin(RemoteGenerationMixin):
                 f"tuning_mode='lora' and active_adapter={client_config.active_adapter!r} cannot be combined: "
                 "servers apply a request's own LoRA weights or a served adapter, not both"
             )
-        model_dir = resolve_model(model, cache_dir=cache_dir)
+        model_dir = resolve_model(model, cache_dir=cache_dir, revision=revision)
+        if client is None and client_config.dht_prefix is None:
+            # named after the resolved model, as its servers name it (a Hub model's swarm follows its commit)
+            client_config = replace(client_config, dht_prefix=default_dht_prefix(model_dir))
         config = load_config(model_dir)
         dtype = checkpoint_dtype(config) if (torch_dtype or dtype) == "auto" else (torch_dtype or dtype)
         if not isinstance(dtype, torch.dtype):
@@ -285,16 +292,16 @@ class AutoDistributedModelForCausalLM:
 
 
 def _client_config(
-    model: str | os.PathLike, initial_peers: object, swarm_key: str | os.PathLike | bytes | None,
-    options: dict[str, Any],
-) -> ClientConfig:  # fmt: skip
+    initial_peers: object, swarm_key: str | os.PathLike | bytes | None, options: dict[str, Any]
+) -> ClientConfig:
     """The client's options, checked (ClientConfig checks its fields) before anything is loaded or started."""
     if isinstance(initial_peers, str) or not isinstance(initial_peers, list | tuple):
         raise ConfigError(f"initial_peers must be a list of multiaddrs, not {initial_peers!r}")
     if not initial_peers:
         raise ConfigError("initial_peers is empty: give the multiaddrs of some peers of the swarm (`swarmlm serve` "
                           "and `swarmlm dht` print them: 'Others join with: --initial-peers ...')")  # fmt: skip
-    options = {**options, "dht_prefix": options.get("dht_prefix") or default_dht_prefix(model)}
+    # no prefix given: from_pretrained names the swarm after the model once it is resolved
+    options = {**options, "dht_prefix": options.get("dht_prefix") or None}
     if swarm_key is not None:
         options["swarm_key"] = swarm_key if isinstance(swarm_key, bytes) else load_swarm_key(swarm_key)
     return ClientConfig(initial_peers=tuple(initial_peers), **options)

@@ -1,4 +1,4 @@
-"""swarmlm.AutoTokenizer: the tokenizer of any model `from_pretrained` accepts, found on this machine (no hub)."""
+"""swarmlm.AutoTokenizer: the tokenizer of any model `from_pretrained` accepts (a Hub model's small files only)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 
 
 class AutoTokenizer:
-    """Like transformers' AutoTokenizer, for the model names swarmlm resolves: the bundled name
+    """Like transformers' AutoTokenizer, for the model names swarmlm resolves: a Hub repository, the bundled name
     ("smollm2-135m-instruct"), a .gguf file or a local Hugging Face folder.
 
     transformers' own AutoTokenizer takes "smollm2-135m-instruct" for a Hub repository and tries the network;
@@ -22,8 +22,12 @@ class AutoTokenizer:
 
     @staticmethod
     def from_pretrained(
-        model: str | os.PathLike, *, cache_dir: str | os.PathLike | None = None, **options: Any
+        model: str | os.PathLike,
+        *,
+        cache_dir: str | os.PathLike | None = None,
+        revision: str | None = None,
+        **options: Any,
     ) -> PreTrainedTokenizerBase:
-        """The tokenizer of `model` (with its chat template, if it has one). `options` go to transformers'
-        AutoTokenizer.from_pretrained (e.g. padding_side="left" for batches of prompts to generate from)."""
-        return load_tokenizer(resolve_model(model, cache_dir=cache_dir), **options)
+        """The tokenizer of `model` (with its chat template, if it has one); a Hub model's at `revision`. `options`
+        go to transformers' AutoTokenizer.from_pretrained (e.g. padding_side="left" for batches of prompts)."""
+        return load_tokenizer(resolve_model(model, cache_dir=cache_dir, revision=revision), **options)

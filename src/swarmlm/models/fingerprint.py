@@ -4,7 +4,8 @@ It covers the config's architecture fields and the weights' identity: every tens
 the safetensors headers) plus a few bytes sampled from each tensor's data. It reads only the headers and
 SAMPLE_BYTES at three places per tensor, never the weights in full, so it costs milliseconds even for large
 checkpoints; and it does not depend on which tensors a process loads (servers load their blocks, clients the
-embeddings and head) nor on how the tensors are sharded over files.
+embeddings and head) nor on how the tensors are sharded over files. A Hub snapshot is fingerprinted by its
+repository and commit (see model_fingerprint).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from swarmlm.errors import ModelLoadError
+from swarmlm.models.hub import hub_origin
 
 # config.json fields that change what the blocks compute; other fields (paths, versions, dtype) are ignored
 ARCHITECTURE_FIELDS = (
@@ -64,10 +66,19 @@ _MAX_HEADER_BYTES = 100 * 1024 * 1024
 
 
 def model_fingerprint(model_dir: str | Path) -> str:
-    """The fingerprint of the Hugging Face folder `model_dir` (config.json and safetensors weights)."""
+    """The fingerprint of the Hugging Face folder `model_dir` (config.json and safetensors weights).
+
+    A snapshot of a Hub repository is named by its repository and commit instead of its weights: a commit names
+    its files' contents, and a process holds only some of the shards (servers of other blocks hold others), which
+    it must not download in full to tell its checkpoint apart.
+    """
     model_dir = Path(model_dir)
     digest = hashlib.sha256()
     digest.update(json.dumps(_architecture(model_dir), sort_keys=True).encode())
+    origin = hub_origin(model_dir)
+    if origin is not None:
+        digest.update(json.dumps({"hub_repo": origin[0], "commit": origin[1]}).encode())
+        return digest.hexdigest()[:FINGERPRINT_HEX_DIGITS]
     entries: list[tuple[str, bytes]] = []
     for file in _weight_files(model_dir):
         entries.extend(_file_entries(file))

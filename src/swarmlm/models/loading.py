@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from swarmlm.errors import ModelLoadError
 from swarmlm.models.constants import DEFAULT_MODEL
+from swarmlm.models.hub import fetch_files, model_type_of, parse_hub_name, resolve_hub
 
 if TYPE_CHECKING:
     # transformers costs seconds to import; it is imported inside the functions that need it so that
@@ -57,7 +58,9 @@ def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "swarmlm"
 
 
-def resolve_model(model: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Path:
+def resolve_model(
+    model: str | os.PathLike, cache_dir: str | os.PathLike | None = None, revision: str | None = None
+) -> Path:
     """Returns the absolute path of a Hugging Face folder (config.json, safetensors weights, tokenizer) for `model`.
 
     `model` is one of:
@@ -65,14 +68,31 @@ def resolve_model(model: str | os.PathLike, cache_dir: str | os.PathLike | None 
     - a path to a .gguf file: converted once into a folder under `cache_dir` (default: default_cache_dir()) named by
       the file's name and content, so that copies of the file (another venv, another folder) share it; later calls
       return that folder without loading the model;
-    - a local Hugging Face folder with config.json and *.safetensors weights: returned as is.
+    - a local Hugging Face folder with config.json and *.safetensors weights: returned as is;
+    - a Hugging Face Hub repository "org/name" at `revision` (a branch, tag or commit; default: its default branch):
+      its snapshot folder in the Hub cache, holding the config, tokenizer and weight index but no weights yet, which
+      load_tensors fetches shard by shard as they are read (models/hub.py);
+    - a .gguf file of a Hub repository, "org/name/file.gguf" or "org/name:QUANT": downloaded, then converted as a
+      local .gguf file is.
 
     A plain string that equals a known name means that name even if a folder of that name exists in the current
-    directory (pass "./name" to use the folder), so that every process resolves it the same way.
+    directory (pass "./name" to use the folder), so that every process resolves it the same way; an existing path
+    wins over a repository of the same name (pass "./org/name" to make the path explicit).
     Raises ModelLoadError when `model` is none of these.
     """
     known = _KNOWN_MODELS.get(str(model).lower()) if isinstance(model, str) else None
     path = _bundled_gguf(str(model).lower()) if known is not None else Path(model).expanduser()
+    hub_name = parse_hub_name(model) if isinstance(model, str) and known is None and not path.exists() else None
+    if hub_name is not None:
+        path = resolve_hub(hub_name, revision)
+        if path.is_dir():
+            from swarmlm.models.registry import family_of
+
+            # told before any weight is fetched: the Hub serves models of every family
+            family_of(model_type_of(path) or "(none)")
+            return path
+    elif revision is not None:
+        raise ModelLoadError(f"A revision ({revision!r}) names a commit of a Hub repository; {model} is none.")
     if not path.exists():
         raise ModelLoadError(_missing_path_message(str(model)))
     # the name given, not the link's target: a hub download links model.Q4_K_M.gguf to a blob named by its hash
@@ -81,7 +101,7 @@ def resolve_model(model: str | os.PathLike, cache_dir: str | os.PathLike | None 
     if path.is_dir():
         _check_hf_folder(path)
         return path
-    if path.suffix.lower() != ".gguf":
+    if Path(source_name).suffix.lower() != ".gguf":
         raise ModelLoadError(
             f"{path} is a file but not a .gguf file. Pass a .gguf file, a Hugging Face folder with config.json "
             f"and *.safetensors weights, or one of the names {sorted(_KNOWN_MODELS)}."
@@ -176,7 +196,10 @@ def load_tensors(
     tensors: dict[str, torch.Tensor] = {}
     if not wanted:
         return tensors
-    for file, names in _files_to_read(model_dir, wanted).items():
+    to_read = _files_to_read(model_dir, wanted)
+    # a Hub snapshot holds only the shards some process of this machine read before: the rest come now
+    fetch_files(model_dir, [file.name for file in to_read])
+    for file, names in to_read.items():
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in names if names is not None else [k for k in f.keys() if k.startswith(wanted)]:
@@ -220,13 +243,11 @@ def _bundled_gguf(name: str) -> Path:
 
 def _missing_path_message(model: str) -> str:
     """An error message for a `model` that is neither a known name nor an existing path."""
-    message = (
-        f"Model {model!r} is neither a known model name {sorted(_KNOWN_MODELS)} nor an existing path. "
-        "Pass a known name, a .gguf file, or a local Hugging Face folder with config.json and *.safetensors weights."
+    return (
+        f"Model {model!r} is neither a known model name {sorted(_KNOWN_MODELS)}, a Hub repository (ORG/NAME) nor an "
+        "existing path. Pass a known name, a Hub repository, a .gguf file, or a local Hugging Face folder with "
+        "config.json and *.safetensors weights."
     )
-    if "/" in model and not Path(model).is_absolute() and model.count("/") == 1:
-        message += " Downloading from the Hugging Face Hub is not supported: download the model to a folder first."
-    return message
 
 
 def _check_hf_folder(path: Path) -> None:
@@ -244,6 +265,11 @@ def _check_hf_folder(path: Path) -> None:
             "save_pretrained(folder, safe_serialization=True)."
         )
     raise ModelLoadError(f"The folder {path} has {_CONFIG_FILE} but no *.safetensors weights.")
+
+
+def weight_files_for(model_dir: Path, prefixes: Sequence[str]) -> list[str]:
+    """The names of the weight files of `model_dir` that load_tensors reads for `prefixes` (only the index is read)."""
+    return sorted(file.name for file in _files_to_read(Path(model_dir), tuple(prefixes)))
 
 
 def _files_to_read(model_dir: Path, wanted: tuple[str, ...]) -> dict[Path, list[str] | None]:

@@ -1,7 +1,8 @@
 """A model's names: the swarm name (DHT prefix) its servers and clients meet under, and the name pages show.
 
 Both come from the model's identity, a file or folder name, whichever way the model is given: the bundled name,
-its .gguf file anywhere, the folder that file was converted into, or a Hugging Face folder. Neither ever holds a
+its .gguf file anywhere, the folder that file was converted into, a Hugging Face folder, or a Hub repository's
+snapshot (its name and commit). Neither ever holds a
 path, so no page or DHT record shows where a model lies on some disk.
 """
 
@@ -12,6 +13,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from swarmlm.models.hub import hub_origin
 from swarmlm.models.loading import converted_from, known_gguf_name
 
 # GGUF quantization suffixes ("Q4_1", "Q4_K_M", "IQ2_XS", "F16", "BF16", ...): dropped, since every quantization of
@@ -22,6 +24,8 @@ _EXTENSION = re.compile(r"\.gguf$", re.IGNORECASE)
 _UNRECORDED_CONVERSION = re.compile(r"^(?P<stem>.+)-[0-9a-f]{16}$")
 # a Hugging Face hub download: .../models--<org>--<name>/snapshots/<revision>
 _HUB_REPO_PREFIX = "models--"
+# hex digits of a Hub snapshot's commit in its swarm name: 32 bits tell apart the revisions of one repository
+HUB_COMMIT_HEX_DIGITS = 8
 
 
 @dataclass(frozen=True)
@@ -36,7 +40,14 @@ def model_name(model: str | os.PathLike) -> ModelName:
     was converted into and '/y/SmolLM2-135M-Instruct/' all give ('SmolLM2-135M-Instruct', 'smollm2-135m-instruct').
 
     A path that does not exist is named by its text alone.
+    A Hub snapshot (a repository's folder in the Hub cache, as `resolve_model("org/name")` gives) is shown by its
+    repository's name, and its swarm name ends with the first HUB_COMMIT_HEX_DIGITS hex digits of its commit:
+    servers of two revisions of one repository never meet in one swarm.
     """
+    origin = _hub_snapshot(model)
+    if origin is not None:
+        names = name_from_identity(origin[0])
+        return ModelName(display=names.display, swarm=f"{names.swarm}-{origin[1][:HUB_COMMIT_HEX_DIGITS]}")
     return name_from_identity(_identity(model))
 
 
@@ -56,6 +67,15 @@ def name_from_identity(identity: str) -> ModelName:
     display = _GGUF_QUANT.sub("", _EXTENSION.sub("", name)).strip() or "model"
     swarm = re.sub(r"[^a-z0-9]+", "-", display.lower()).strip("-")
     return ModelName(display=display, swarm=swarm or "model")
+
+
+def _hub_snapshot(model: str | os.PathLike) -> tuple[str, str] | None:
+    """(repository, commit) of a Hub snapshot folder; None for anything else."""
+    text = os.fspath(model)
+    if not text or (isinstance(model, str) and known_gguf_name(text) is not None):
+        return None
+    path = Path(text).expanduser()
+    return hub_origin(path.resolve()) if path.is_dir() else None
 
 
 def _identity(model: str | os.PathLike) -> str:

@@ -160,7 +160,11 @@ def attn_implementation(model_type: str) -> str:
 
 def get_family(config: PretrainedConfig) -> ModelFamily:
     """The family of a config; a clear error lists what is supported."""
-    model_type = config.model_type
+    return family_of(config.model_type)
+
+
+def family_of(model_type: str) -> ModelFamily:
+    """The family of a config's model_type; a clear error lists what is supported."""
     family = _registered(model_type)
     if family is None:
         supported = ", ".join(sorted({*_FAMILIES, *_BUILT_IN}))

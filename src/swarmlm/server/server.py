@@ -20,9 +20,11 @@ from swarmlm.config import ServerConfig
 from swarmlm.errors import SwarmError
 from swarmlm.models.adapters import adapter_name, load_adapters
 from swarmlm.models.fingerprint import model_fingerprint
-from swarmlm.models.loading import checkpoint_dtype, load_config, resolve_model
+from swarmlm.models.hub import evict
+from swarmlm.models.loading import checkpoint_dtype, load_config, resolve_model, weight_files_for
 from swarmlm.models.naming import model_name
 from swarmlm.models.quant import QUANT_MODES, bnb_functional, module_bytes, quantize
+from swarmlm.models.registry import get_family
 from swarmlm.models.span import SpanModel
 from swarmlm.net import transport
 from swarmlm.net.transport import Gate, StreamLimits
@@ -80,12 +82,13 @@ class Server:
         check_device(config.device)  # torch would fail only once the blocks load, obscurely
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        # the catalog shows the model by name, never by where it lies on this machine
-        self.model_name = model_name(config.model)
+        self.model_dir = resolve_model(config.model, cache_dir=config.cache_dir, revision=config.revision)
+        # the catalog shows the model by name, never by where it lies on this machine; a Hub model's swarm name
+        # follows the commit its revision resolved to (models/naming.py)
+        self.model_name = model_name(self.model_dir)
         self.dht_prefix = config.dht_prefix or self.model_name.swarm
         if config.swarm_key is not None:  # a private swarm's records live under a name only members can compute
             self.dht_prefix = blind_prefix(self.dht_prefix, config.swarm_key)
-        self.model_dir = resolve_model(config.model, cache_dir=config.cache_dir)
         model_config = load_config(self.model_dir)
         self.dtype_name = serving_dtype(config.dtype, model_config)  # the compute dtype, announced as is
         self.dtype = DTYPES[self.dtype_name]
@@ -152,7 +155,9 @@ class Server:
         """Load blocks [start, end) and measure them (blocking: run off the event loop once serving)."""
         cfg = self.config
         logger.info("Loading blocks %d:%d of %s", start, end, self.model_dir)
+        self._keep_disk_budget(start, end)  # before: room for the shards this span downloads
         span = SpanModel.from_dir(self.model_dir, start, end, self.dtype, cfg.device)
+        self._keep_disk_budget(start, end)
         if cfg.adapters:
             load_adapters(span, cfg.adapters)
         if cfg.quant is not None:
@@ -168,6 +173,18 @@ class Server:
         self.throughput = backend.measure_throughput()
         self.inference_throughput = backend.measure_inference_throughput()
         self.backend, self.start, self.end = backend, start, end
+
+    def _keep_disk_budget(self, start: int, end: int) -> None:
+        """Evict the cached shards of a Hub model that blocks start:end do not need, least recently used first, down
+        to --max-disk-space (a no-op without one, or for a model that is no Hub snapshot)."""
+        if self.config.max_disk_space_gb is None:
+            return
+        family = get_family(load_config(self.model_dir))
+        needed = weight_files_for(self.model_dir, [family.block_tensor_prefix(i) for i in range(start, end)])
+        evicted = evict(self.model_dir, needed, int(self.config.max_disk_space_gb * 1e9))
+        if evicted:
+            logger.info("Evicted %d cached weight files no served block needs (--max-disk-space %g GB): %s",
+                        len(evicted), self.config.max_disk_space_gb, ", ".join(evicted))  # fmt: skip
 
     def _record(self, state: ServerState) -> ServerRecord:
         return ServerRecord(

@@ -24,17 +24,19 @@ CHAT_MAX_TOKENS = 2048
 
 def run_demo(
     prompt: str, num_servers: int = 2, max_new_tokens: int = 64, model: str = "smollm2-135m-instruct",
-    chat: bool = False, api_port: int | None = None,
+    chat: bool = False, api_port: int | None = None, revision: str | None = None,
 ) -> None:  # fmt: skip
-    model_dir = resolve_model(model)  # convert once here, before servers start, rather than in every server
+    # convert once here, before servers start, rather than in every server; a Hub model's small files come now,
+    # and each server fetches the shards of its own blocks
+    model_dir = resolve_model(model, revision=revision)
     print(f"Starting {num_servers} local servers for {model} ...", flush=True)
     began = time.perf_counter()
     # the servers get the converted folder, which names the same swarm as `model` (models/naming.py)
     with start_even_swarm(str(model_dir), load_config(model_dir).num_hidden_layers, num_servers) as swarm:
         print(f"Swarm ready in {time.perf_counter() - began:.1f} s: {' '.join(swarm.initial_peers)}", flush=True)
-        print(attach_lines(model, swarm.initial_peers), flush=True)
+        print(attach_lines(model, swarm.initial_peers, revision), flush=True)
         if api_port is not None:
-            _serve_api(model, swarm.initial_peers, api_port)
+            _serve_api(model, swarm.initial_peers, api_port, revision)
             print("Swarm stopped.")
             return
         with AutoDistributedModelForCausalLM.from_pretrained(
@@ -48,14 +50,18 @@ def run_demo(
     print("Swarm stopped.")
 
 
-def attach_lines(model: str, initial_peers: list[str]) -> str:
+def attach_lines(model: str, initial_peers: list[str], revision: str | None = None) -> str:
     """How another process of this machine joins the demo's swarm while it runs: the API, or a Python client."""
     shell = f"swarmlm api {shlex.quote(model)} --initial-peers {' '.join(map(shlex.quote, initial_peers))}"
-    python = f"AutoDistributedModelForCausalLM.from_pretrained({model!r}, initial_peers={initial_peers!r})"
+    python = f"AutoDistributedModelForCausalLM.from_pretrained({model!r}, initial_peers={initial_peers!r}"
+    if revision is not None:
+        shell += f" --revision {shlex.quote(revision)}"
+        python += f", revision={revision!r}"
+    python += ")"
     return f"Attach to this swarm from another terminal while it runs:\n  {shell}\n  {python}"
 
 
-def _serve_api(model: str, initial_peers: list[str], port: int) -> None:
+def _serve_api(model: str, initial_peers: list[str], port: int, revision: str | None = None) -> None:
     """The OpenAI-compatible API (and monitor) over the local swarm, in this process, until Ctrl-C."""
     from swarmlm.api.service import ApiOptions, run_api
 
@@ -65,7 +71,8 @@ def _serve_api(model: str, initial_peers: list[str], port: int) -> None:
         curl = f"curl {base}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'"
         print(f"Monitor: {base}/   (Ctrl-C stops the API and the swarm)\nTry:\n  {curl}", flush=True)
 
-    run_api(ApiOptions(model=model, initial_peers=tuple(initial_peers), port=port), on_ready=show_how)
+    run_api(ApiOptions(model=model, initial_peers=tuple(initial_peers), port=port, revision=revision),
+            on_ready=show_how)  # fmt: skip
 
 
 class _AnswerPrinter(BaseStreamer):

@@ -121,6 +121,7 @@ def train_prompts(
 @dataclass(frozen=True)
 class TrainOptions:
     model: str = "smollm2-135m-instruct"  # model to tune
+    revision: str | None = None  # branch, tag or commit of a Hub model (None: its default branch)
     initial_peers: tuple[str, ...] = ()  # an existing swarm to use; empty: start a local one
     servers: int = 2  # servers of the local swarm
     tuning_mode: str = "deep_ptune"  # ptune | deep_ptune | lora
@@ -145,7 +146,7 @@ def run_training(options: TrainOptions) -> tuple[float, float]:
     if not 1 <= options.batch_size <= len(train_set):  # checked before the model loads and any server starts
         raise ConfigError(f"--batch-size {options.batch_size}: must be from 1 up to {len(train_set)}, the task's "
                           "training examples")  # fmt: skip
-    model_dir = resolve_model(options.model)
+    model_dir = resolve_model(options.model, revision=options.revision)
     task = SentimentTask(load_tokenizer(model_dir))
     swarm, peers = None, options.initial_peers
     if not peers:
