@@ -53,7 +53,8 @@ SERVED_LINE = "HOSTILE served honestly"
 PERTURBATION = 0.02
 PERTURBED_LINE = "HOSTILE perturbed"
 
-MODE_FILE = Path(sys.argv[1])
+# given first on the command line; tests import this module for its constants, with other arguments
+MODE_FILE = Path(sys.argv[1]) if __name__ == "__main__" else Path("/nonexistent-mode-file")
 
 
 class HostileHandler(SpanHandler):

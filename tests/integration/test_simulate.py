@@ -90,6 +90,7 @@ def measured_rates(model_dir: Path, spans: list[tuple[int, int]], prompts: list[
         return decode_rate(model, prompts[:1]), decode_rate(model, prompts[:USERS])
 
 
+@pytest.mark.alone  # a rate measured while other tests load the cores would not be the swarm's
 def test_the_simulator_predicts_a_loopback_swarms_decode_rate_within_a_quarter(smollm_dir: Path) -> None:
     tokenizer = load_tokenizer(smollm_dir)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
