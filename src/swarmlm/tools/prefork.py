@@ -104,9 +104,11 @@ class Forker:
     def __init__(self, env: Mapping[str, str]):
         self.env = dict(env)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        # in a process group of its own, as each server is: a Ctrl-C at the terminal (the chat's, stopping an
+        # answer) must not reach the process whose death takes the servers down
         self.process = spawn_bound(
             [sys.executable, "-m", "swarmlm.tools.prefork", str(theirs.fileno())],
-            pass_fds=[theirs.fileno()], env=self.env, stdin=subprocess.DEVNULL,
+            pass_fds=[theirs.fileno()], env=self.env, stdin=subprocess.DEVNULL, process_group=0,
         )  # fmt: skip
         theirs.close()
         self.sock = ours
