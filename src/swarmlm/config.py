@@ -88,7 +88,11 @@ class ServerConfig:
     num_blocks: int | None = option(
         None, "serve N consecutive blocks where the swarm is weakest (and move)", allowed=POSITIVE_INT, metavar="N"
     )
-    new_swarm: bool = option(False, "start a new swarm instead of joining one")
+    new_swarm: bool = option(
+        False,
+        "start even if no initial peer answers: the first node of a swarm (initial peers given too are joined when "
+        "they answer, now or later)",
+    )
     initial_peers: tuple[str, ...] = option((), "multiaddrs of swarm peers to join", nargs="*", metavar="MADDR")
     host: str = option("0.0.0.0", "interface to listen on (default: all)")
     port: int = option(0, "TCP port to listen on (default: any free port)", allowed=PORT)
@@ -111,9 +115,15 @@ class ServerConfig:
     )
     identity_path: str | None = option(
         None,
-        "key file that keeps this server's peer id across restarts (created, mode 0600, if missing)",
+        "key file that keeps this node's peer id across restarts (created, mode 0600, if missing)",
         flag="--identity",
         metavar="PATH",
+    )
+    reconnect_interval_s: float = option(
+        15.0,
+        "seconds between re-dials of the initial peers and met peers missing from the DHT routing table (a node that "
+        "restarted is found again within about this long; 0: never)",
+        allowed=NON_NEGATIVE,
     )
     dtype: str = option(
         "float32", "compute dtype of the blocks (auto: the checkpoint's own, else float32)", choices=SERVER_DTYPES
@@ -177,6 +187,9 @@ class ServerConfig:
         0.75, "move when the swarm's bottleneck throughput < this * its bottleneck after the move", allowed=FRACTION
     )
     announce_interval_s: float = option(10.0, "seconds between refreshes of the DHT record", allowed=POSITIVE)
+    summary_interval_s: float = option(
+        60.0, "seconds between one-line activity summaries in the log (none while idle)", allowed=POSITIVE
+    )
     # longer than announce_interval_s: covers missed refreshes
     record_ttl_s: float = option(
         30.0, "seconds a record lives unrefreshed (a crashed server is forgotten then)", allowed=POSITIVE
@@ -268,7 +281,9 @@ class ClientConfig:
     verify_first_requests: int = option(2, "results of a server are always checked until it passed this many checks")
     report_ttl_s: float = option(3600.0, "how long this client's reports of wrong results stay on the DHT")
     swarm_key: bytes | None = option(
-        None, "the 32-byte secret of a private swarm (from a `swarmlm swarm-key` file); None: an open swarm"
+        None,
+        "the 32-byte secret of a private swarm (from a `swarmlm swarm-key` file); None: an open swarm",
+        metavar="FILE",
     )
     wire_dtype: str = option(
         "float32", "activations travel as float32 (exact), bfloat16/float16 (half) or int8 (a quarter)"

@@ -18,20 +18,21 @@ START_TIMEOUT_S = 120.0
 
 
 @contextmanager
-def http_process(args: list[str], ready_line: str) -> Iterator[str]:
-    """Run `swarmlm ARGS` until its ready line and yield the base URL it prints; its output is echoed on failure."""
-    with http_server(args, ready_line, stopped_by_test=False) as (url, _):
+def http_process(args: list[str], ready_line: str, output: list[str] | None = None) -> Iterator[str]:
+    """Run `swarmlm ARGS` until its ready line and yield the base URL it prints; its output is echoed on failure
+    (and its lines added to `output` as they come, if given)."""
+    with http_server(args, ready_line, stopped_by_test=False, output=output) as (url, _):
         yield url
 
 
 @contextmanager
 def http_server(
-    args: list[str], ready_line: str, stopped_by_test: bool = True
+    args: list[str], ready_line: str, stopped_by_test: bool = True, output: list[str] | None = None
 ) -> Iterator[tuple[str, subprocess.Popen[str]]]:
     """http_process(), yielding the process too, for a test that stops it itself (then it may have exited cleanly
     by the end)."""
     process = spawn_bound([*SWARMLM, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
+    lines: list[str] = [] if output is None else output
     ready = threading.Event()
     url: list[str] = []
 

@@ -22,7 +22,8 @@ import torch
 from transformers import AutoTokenizer
 
 from swarmlm.api.engine import Engine, SamplingParams
-from swarmlm.api.service import READY_LINE
+from swarmlm.api.service import MONITOR_LINE, READY_LINE
+from swarmlm.cli.main import API_KEY_ENV
 from swarmlm.models.loading import load_tokenizer
 from swarmlm.tools.local_swarm import LocalSwarm
 from tests.conftest import connected_model, load_reference, running_swarm
@@ -509,3 +510,62 @@ def test_a_generation_outgrowing_its_first_reservation_equals_local(
             assert asyncio.run(answer(2)) == [expected, expected]
         finally:
             engine.close()
+
+
+def get(url: str, headers: dict[str, str] | None = None) -> tuple[int, str, str]:
+    """Status, content type and body of a GET."""
+    request = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, response.headers["Content-Type"], response.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers["Content-Type"], e.read().decode()
+
+
+def test_an_api_key_guards_the_api_while_health_metrics_and_monitor_stay_open(
+    smollm_dir: Path, swarm: LocalSwarm, local_answer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(API_KEY_ENV, "sk-test-1234")  # the environment's key: it shows in no process list
+    args = [
+        "api",
+        str(smollm_dir),
+        "--served-model-name",
+        NAME,
+        "--port",
+        "0",
+        "--initial-peers",
+        *swarm.initial_peers,
+    ]
+    output: list[str] = []
+    with http_process(args, READY_LINE, output) as url:
+        deadline = time.monotonic() + 10
+        while not any(line.startswith(MONITOR_LINE) for line in output):
+            assert time.monotonic() < deadline, output
+            time.sleep(0.1)
+        assert f"{MONITOR_LINE}{url}/\n" in output
+        body = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        code, reply = post(f"{url}/v1/chat/completions", json.dumps(body).encode())  # no Authorization header
+        assert code == 401 and set(reply["error"]) == {"message", "type", "param", "code"}, reply  # OpenAI's shape
+        stranger = openai.OpenAI(base_url=f"{url}/v1", api_key="sk-wrong", max_retries=0, timeout=60)
+        with pytest.raises(openai.AuthenticationError) as error:
+            ask(stranger, QUESTIONS[0])
+        assert error.value.status_code == 401
+        assert isinstance(error.value.body, dict) and error.value.body["code"] == "invalid_api_key"
+        assert error.value.body["type"] == "invalid_request_error"
+        member = openai.OpenAI(base_url=f"{url}/v1", api_key="sk-test-1234", max_retries=0, timeout=120)
+        reply = ask(member, QUESTIONS[0])
+        assert reply.choices[0].message.content == local_answer(QUESTIONS[0])[0]
+        assert get(f"{url}/health")[::2] == (200, '{"status": "ok"}')
+        assert get(f"{url}/api/v1/swarm")[0] == 200 and get(f"{url}/")[0] == 200
+        code, content_type, metrics = get(f"{url}/metrics")
+    assert code == 200 and content_type.startswith("text/plain; version=0.0.4"), content_type
+    print("\n" + metrics)
+    samples = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if line and not line.startswith("#"))
+    assert samples['swarmlm_requests_total{outcome="ok"}'] == "1"
+    assert samples['swarmlm_errors_total{kind="invalid_api_key"}'] == "2"
+    assert samples["swarmlm_generation_tokens_total"] == str(reply.usage.completion_tokens)
+    assert samples["swarmlm_prompt_tokens_total"] == str(reply.usage.prompt_tokens)
+    assert samples['swarmlm_time_to_first_token_seconds_bucket{le="+Inf"}'] == "1"
+    assert samples["swarmlm_request_duration_seconds_count"] == "1"
+    assert samples["swarmlm_requests_running"] == "0"
+    assert "# TYPE swarmlm_time_per_output_token_seconds histogram" in metrics

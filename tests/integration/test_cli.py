@@ -112,3 +112,18 @@ def test_a_node_whose_initial_peer_starts_late_still_joins_and_one_that_never_do
 
 async def _peers(dht, node) -> list:  # noqa: ANN001 - hivemind's run_coroutine signature
     return [info.peer_id for info in await node.p2p.list_peers()]
+
+
+def test_version_is_printed_and_an_unknown_model_is_refused_before_heavy_imports() -> None:
+    from swarmlm.version import __version__
+
+    result = subprocess.run([*SWARMLM, "--version"], capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stdout.strip()) == (0, f"swarmlm {__version__}")
+    peer = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWEEnaRWUL7SnGHtc79b3cq6voP7qDJkJ2mBbBYXRPaafs"
+    for args in (["api", "smollm3", "--initial-peers", peer], ["demo", "--model", "no-such-model"]):
+        began = time.perf_counter()
+        result = subprocess.run([*SWARMLM, *args], capture_output=True, text=True, timeout=60)
+        took = time.perf_counter() - began
+        assert result.returncode == 2 and "not a known model name" in result.stderr, result.stderr
+        print(f"\n{' '.join(args[:2])} refused in {took:.2f} s")
+        assert took < 1.5  # the interpreter's start and the CLI's parser only: no torch, no transformers

@@ -142,6 +142,10 @@ class Chat:
 def test_a_chat_goes_on_after_cut_and_stopped_answers_then_ends_cleanly(smollm_dir: Path, terminal: Terminal) -> None:
     chat = Chat(terminal, smollm_dir)
     terminal.wait_for("You: ", START_TIMEOUT_S)
+    # an empty line (Enter pressed twice) asks again: it neither ends the chat nor stops the swarm
+    terminal.type("\n")
+    terminal.wait_for("You: ", ANSWER_TIMEOUT_S)
+    assert terminal.process.poll() is None
     # an answer cut at the token limit, then one that follows a closed turn (an open one changes this answer)
     first, stopped = chat.ask("Tell me about the moon.")
     assert not stopped and len(chat.tokenizer(first).input_ids) >= NEW_TOKENS - 2  # cut at the limit, not ended

@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 
 from swarmlm.api.service import MONITOR_READY_LINE
+from swarmlm.api.status import STATUS_MISSING_BLOCKS, STATUS_NO_MODEL
+from swarmlm.swarm.dht import start_dht, visible_maddrs
 from swarmlm.tools.local_swarm import LocalSwarm
 from tests.conftest import running_swarm
 from tests.integration.http_process import SWARMLM, http_process
@@ -91,6 +93,38 @@ def test_status_prints_the_same_as_a_table(swarm: LocalSwarm) -> None:
     for server in swarm.servers:
         assert f"...{server.peer_id[-6:]}" in result.stdout
     assert result.stdout.count("online") == 3
+
+
+def status(*args: str) -> tuple[subprocess.CompletedProcess[str], float]:
+    began = time.perf_counter()
+    result = subprocess.run([*SWARMLM, "status", *args], capture_output=True, text=True, timeout=120)
+    return result, time.perf_counter() - began
+
+
+def test_status_json_is_the_snapshot_and_takes_seconds(swarm: LocalSwarm) -> None:
+    result, took = status("--json", "--initial-peers", *swarm.initial_peers)
+    assert result.returncode == 0, result.stderr
+    (model,) = json.loads(result.stdout)["models"]
+    assert model["complete"] and {(s["start"], s["end"]) for s in model["servers"]} == set(SPANS)
+    print(f"\nswarmlm status took {took:.1f} s")
+    assert took < 8.0  # it was 10-13 s when it imported the API's model code; ~3 s on an idle 2-core machine
+
+
+def test_status_exit_code_says_blocks_are_missing_or_no_model_is_served(tiny_model_dir: Path) -> None:
+    with running_swarm(tiny_model_dir, [(0, 2)]) as partial:
+        result, _ = status("--initial-peers", *partial.initial_peers)
+        assert result.returncode == STATUS_MISSING_BLOCKS, result.stderr
+        assert "MISSING blocks 2-4" in result.stdout
+        result, _ = status("--json", "--initial-peers", *partial.initial_peers)
+        assert result.returncode == STATUS_MISSING_BLOCKS and json.loads(result.stdout)["models"][0][
+            "missing_blocks"
+        ] == [2, 3, 4]
+    empty = start_dht(host="127.0.0.1", nat_traversal=False)
+    try:
+        result, _ = status("--initial-peers", *visible_maddrs(empty))
+        assert result.returncode == STATUS_NO_MODEL and "No model is served" in result.stdout, result.stderr
+    finally:
+        empty.shutdown()
 
 
 def test_page_shows_three_servers_then_the_gap_of_a_killed_one(page: Any, swarm: LocalSwarm) -> None:

@@ -4,12 +4,17 @@ like any swarm, while a peer without it cannot read or write its DHT records nor
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
+from swarmlm.api.service import MONITOR_READY_LINE
+from swarmlm.api.status import STATUS_NO_MODEL
 from swarmlm.client.loop import LoopThread
 from swarmlm.client.sequence_manager import SequenceManager
 from swarmlm.client.span_call import Expected, call_span
@@ -22,6 +27,7 @@ from swarmlm.swarm.private import OUTSIDER_REFUSAL, blind_prefix, generate_swarm
 from swarmlm.swarm.records import ServerRecord, ServerState, announce, fetch_servers, servers_key
 from swarmlm.tools.local_swarm import LocalSwarm
 from tests.conftest import LOGITS_ATOL, connected_model, load_reference, running_swarm
+from tests.integration.http_process import SWARMLM, http_process
 
 IDS = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(7))
 
@@ -108,3 +114,17 @@ def test_a_bad_key_file_is_a_clear_error(tmp_path: Path) -> None:
     bad.write_text("not a key\n")
     with pytest.raises(SwarmError, match="is not a swarm key"):
         load_swarm_key(bad)
+
+
+def test_status_and_monitor_see_the_private_swarm_with_its_key_only(key_file: Path, private: LocalSwarm) -> None:
+    command = [*SWARMLM, "status", "--initial-peers", *private.initial_peers]
+    member = subprocess.run([*command, "--swarm-key", str(key_file)], capture_output=True, text=True, timeout=120)
+    assert member.returncode == 0, member.stdout + member.stderr
+    assert "5 blocks, complete" in member.stdout and "online" in member.stdout  # its server answered the probe
+    outsider = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert outsider.returncode == STATUS_NO_MODEL and "No model is served" in outsider.stdout, outsider.stderr
+    args = ["monitor", "--port", "0", "--initial-peers", *private.initial_peers, "--swarm-key", str(key_file)]
+    with http_process(args, MONITOR_READY_LINE) as url:
+        with urllib.request.urlopen(f"{url}/api/v1/swarm", timeout=30) as response:
+            (model,) = json.loads(response.read())["models"]
+    assert model["complete"] and [server["state"] for server in model["servers"]] == ["online"]

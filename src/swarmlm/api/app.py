@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import time
@@ -27,6 +28,7 @@ from swarmlm.api.engine import (
     Usage,
 )
 from swarmlm.api.logprobs import TokenNames, chat_content, completion_lists
+from swarmlm.api.metrics import CONTENT_TYPE, ApiMetrics
 from swarmlm.api.monitor import Monitor
 from swarmlm.api.schemas import ApiError, ChatRequest, CompletionRequest, _Request, parse_body
 from swarmlm.errors import BadRequestError, MissingBlocksError, SwarmError
@@ -40,23 +42,58 @@ PAGES = {"/": ("index.html", "text/html"), "/monitor.js": ("monitor.js", "applic
          "/monitor.css": ("monitor.css", "text/css")}  # fmt: skip
 
 
-@web.middleware
-async def openai_errors(request: web.Request, handler: Any) -> web.StreamResponse:
-    """Every failure becomes an error reply in OpenAI's shape; none escapes to kill the server."""
-    try:
-        return await handler(request)
-    except ApiError as e:
-        return e.response()
-    except web.HTTPException as e:
-        if e.status < 400:
+# the paths an API key guards: those that spend the swarm's compute. The monitor (page and JSON) shows what any
+# member of the swarm reads from its DHT, /health is for load balancers and /metrics for scrapers, which send no key
+KEYED_PREFIX = "/v1/"
+
+
+def openai_errors(metrics: ApiMetrics | None = None) -> Any:
+    """A middleware: every failure becomes an error reply in OpenAI's shape (counted in `metrics` by its kind);
+    none escapes to kill the server."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except ApiError as e:
+            error = e
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            kind = "not_found_error" if e.status == 404 else "invalid_request_error"
+            error = ApiError(e.status, f"{e.reason}: {request.method} {request.path}", kind=kind)
+        except asyncio.CancelledError:
             raise
-        kind = "not_found_error" if e.status == 404 else "invalid_request_error"
-        return ApiError(e.status, f"{e.reason}: {request.method} {request.path}", kind=kind).response()
-    except asyncio.CancelledError:
-        raise
-    except Exception as e:  # noqa: BLE001 - an unexpected failure fails this request only
-        logger.exception("Request %s %s failed", request.method, request.path)
-        return ApiError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error").response()
+        except Exception as e:  # noqa: BLE001 - an unexpected failure fails this request only
+            logger.exception("Request %s %s failed", request.method, request.path)
+            error = ApiError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error")
+        if metrics is not None:
+            metrics.error(error.code or error.kind)
+        response = error.response()
+        if error.status == 401:
+            response.headers["WWW-Authenticate"] = "Bearer"
+        return response
+
+    return middleware
+
+
+def api_key_check(api_key: str) -> Any:
+    """A middleware: requests to the API's paths must carry `Authorization: Bearer <api_key>` (as OpenAI's clients
+    send their api_key), else they get a 401 in OpenAI's shape."""
+    expected = api_key.encode()
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.path.startswith(KEYED_PREFIX):
+            scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not given:
+                raise ApiError(401, "You didn't provide an API key: send it as 'Authorization: Bearer KEY'.",
+                               code="invalid_api_key")  # fmt: skip
+            if not hmac.compare_digest(given.strip().encode(), expected):  # in constant time: no guessing by timing
+                raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
+        return await handler(request)
+
+    return middleware
 
 
 def user_of(request: web.Request) -> str:
@@ -83,19 +120,24 @@ class Routes:
     """The routes of one server: the API when it has an engine, the monitor always."""
 
     def __init__(
-        self, engine: Engine | None, model_names: tuple[str, ...], monitor: Monitor, body_timeout_s: float = 15.0
-    ):
-        self.engine, self.model_names, self.monitor = engine, model_names, monitor
+        self, engine: Engine | None, model_names: tuple[str, ...], monitor: Monitor, body_timeout_s: float = 15.0,
+        api_key: str | None = None,
+    ):  # fmt: skip
+        self.engine, self.model_names, self.monitor, self.api_key = engine, model_names, monitor, api_key
         self.body_timeout_s = body_timeout_s  # longest a request's body may take to arrive
         self.created = int(time.time())
         self.names = None if engine is None else TokenNames(engine.tokenizer)
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[openai_errors], client_max_size=MAX_BODY_BYTES)
+        metrics = None if self.engine is None else self.engine.metrics
+        middlewares = [openai_errors(metrics)] + ([api_key_check(self.api_key)] if self.api_key else [])
+        app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
         for path in PAGES:
             app.router.add_get(path, self.page)
         app.router.add_get("/api/v1/swarm", self.swarm)
+        app.router.add_get("/health", self.health)
         if self.engine is not None:
+            app.router.add_get("/metrics", self.metrics)
             app.router.add_get("/v1/models", self.models)
             app.router.add_post("/v1/chat/completions", self.chat)
             app.router.add_post("/v1/completions", self.completions)
@@ -111,6 +153,28 @@ class Routes:
         except TimeoutError as e:
             raise ApiError(503, "the DHT did not answer in time", kind="service_unavailable") from e
 
+    async def health(self, request: web.Request) -> web.Response:
+        """For load balancers: 200 while this server takes requests, 503 once it is shutting down. It reads no DHT
+        (a balancer asks often): whether the swarm covers the model is the monitor's to show."""
+        if self.engine is not None and self.engine.closing:
+            raise ApiError(503, "shutting down", kind="service_unavailable", code="shutting_down")
+        return web.json_response({"status": "ok"})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        engine = self._engine_only()
+        running = engine.generating
+        waiting = max(0, engine.in_progress() - running)
+        gauges = {
+            "requests_running": ("requests generating now, each with an inference session open", running),
+            "requests_waiting": ("requests waiting for a free slot (--max-concurrent)", waiting),
+        }
+        return web.Response(body=engine.metrics.render(gauges).encode(), headers={"Content-Type": CONTENT_TYPE})
+
+    def _engine_only(self) -> Engine:
+        if self.engine is None:
+            raise ApiError(404, "this server has no model")
+        return self.engine
+
     async def models(self, request: web.Request) -> web.Response:
         data = [{"id": self.model_names[0], "object": "model", "created": self.created, "owned_by": "swarmlm"}]
         return web.json_response({"object": "list", "data": data})
@@ -124,12 +188,11 @@ class Routes:
             raise ApiError(408, f"the request's body did not arrive within {self.body_timeout_s:.0f} s") from e
 
     def _engine(self, body: _Request) -> Engine:
-        if self.engine is None:
-            raise ApiError(404, "this server has no model")
+        engine = self._engine_only()
         if body.model not in self.model_names:
             message = f"The model '{body.model}' does not exist; this server serves '{self.model_names[0]}'."
             raise ApiError(404, message, param="model", code="model_not_found")
-        return self.engine
+        return engine
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = parse_body(await self._body(request), ChatRequest)
@@ -207,7 +270,9 @@ class Routes:
         except (ConnectionError, asyncio.CancelledError):
             raise  # the client went away: aclosing() stops the generation and closes its session
         except Exception as e:  # noqa: BLE001 - headers are sent: the error travels as an event
-            await _send(response, swarm_error(e).body())
+            error = swarm_error(e)
+            self._engine_only().metrics.error(error.code or error.kind)
+            await _send(response, error.body())
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response

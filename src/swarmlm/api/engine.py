@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from swarmlm.api.fair import FairSlots
+from swarmlm.api.metrics import ApiMetrics
 from swarmlm.client.model import DistributedCausalLMMixin
 
 logger = logging.getLogger(__name__)
@@ -196,16 +197,22 @@ class Engine:
     # history replayed into a larger one), so a request asking for the whole context does not hold it from the start
     initial_reserve: int = INITIAL_RESERVE
     recent: deque[RequestStats] = field(default_factory=lambda: deque(maxlen=RECENT_REQUESTS))
+    metrics: ApiMetrics = field(default_factory=ApiMetrics)  # what GET /metrics reports
     route: list[tuple[str, int, int]] = field(default_factory=list)  # (peer, start, end) of the last session opened
 
     def __post_init__(self) -> None:
         self._slots = FairSlots(self.max_concurrent)  # shared by users, on the client's loop only
         self._tasks: set[asyncio.Task[None]] = set()  # requests generating or waiting for a slot (client's loop)
         self.closing = False
+        self.generating = 0  # requests holding a slot, each with its inference session (client's loop)
         eos = self.model.generation_config.eos_token_id
         if eos is None:
             eos = self.tokenizer.eos_token_id
         self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+
+    def in_progress(self) -> int:
+        """Requests generating or waiting for a slot."""
+        return len(self._tasks)
 
     def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of a conversation rendered by the model's chat template, ready for the assistant's answer."""
@@ -273,10 +280,11 @@ class Engine:
         finally:
             cancelled.set()
             first = stats["first"]
-            self.recent.append(RequestStats(
-                time.time(), None if first is None else first - began, stats["tokens"],
-                time.perf_counter() - began, stats["outcome"],
-            ))  # fmt: skip
+            done = RequestStats(time.time(), None if first is None else first - began, stats["tokens"],
+                                time.perf_counter() - began, stats["outcome"])  # fmt: skip
+            self.recent.append(done)
+            self.metrics.finished(done.outcome, len(prompt), done.completion_tokens, done.time_to_first_token_s,
+                                  done.duration_s)  # fmt: skip
 
     async def _run(
         self,
@@ -295,7 +303,11 @@ class Engine:
         try:
             async with self._slots.hold(user):
                 if not cancelled.is_set():
-                    await self._generate(prompt, params, emit, cancelled, stats)
+                    self.generating += 1
+                    try:
+                        await self._generate(prompt, params, emit, cancelled, stats)
+                    finally:
+                        self.generating -= 1
             if not cancelled.is_set():
                 stats["outcome"] = "ok"
         except Exception as e:  # noqa: BLE001 - any failure is the request's, handed to its handler

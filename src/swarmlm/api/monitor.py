@@ -22,7 +22,8 @@ from swarmlm.models.naming import name_from_identity
 from swarmlm.net.dialing import dial
 from swarmlm.net.info import request_info
 from swarmlm.protocol.messages import ServerInfo
-from swarmlm.swarm.catalog import fetch_catalog
+from swarmlm.swarm import private
+from swarmlm.swarm.catalog import catalog_key, fetch_catalog
 from swarmlm.swarm.records import ServerRecord, ServerState, fetch_servers
 
 logger = logging.getLogger(__name__)
@@ -40,10 +41,17 @@ def short_id(peer_id: str) -> str:
 
 
 class Monitor:
-    """Snapshots of the swarm read through `dht`; `client` adds what a local client knows (its route, latencies)."""
+    """Snapshots of the swarm read through `dht`; `client` adds what a local client knows (its route, latencies).
+    With `swarm_key`, the private swarm of that key (the DHT node must hold the key too)."""
 
-    def __init__(self, dht: hivemind.DHT, client: Callable[[], dict[str, Any] | None] = lambda: None):
-        self.dht, self.client = dht, client
+    def __init__(
+        self,
+        dht: hivemind.DHT,
+        client: Callable[[], dict[str, Any] | None] = lambda: None,
+        swarm_key: bytes | None = None,
+    ):
+        self.dht, self.client, self.swarm_key = dht, client, swarm_key
+        self._joined: set[str] = set()  # servers of a private swarm this monitor proved its membership to
         self._p2p: P2P | None = None
         self._seen: dict[str, float] = {}  # peer -> unix time it last answered rpc_info
         self._infos: dict[str, ServerInfo] = {}  # peer -> its last answer
@@ -59,7 +67,7 @@ class Monitor:
 
     async def _read(self) -> dict[str, Any]:
         async with asyncio.timeout(DHT_TIMEOUT_S):
-            catalog = await fetch_catalog(self.dht)
+            catalog = await fetch_catalog(self.dht, catalog_key(self.swarm_key))
         models: dict[str, tuple[str, Counter[int]]] = {}  # dht prefix -> (model name, its entries' block counts)
         for entry in catalog.values():
             # servers name their model by its display name; older ones sent what they were given, maybe a path
@@ -90,6 +98,11 @@ class Monitor:
                 peer = PeerID.from_base58(peer_id)
                 if record.addrs:
                     await dial(self._p2p, peer, list(record.addrs), PROBE_TIMEOUT_S)
+                if self.swarm_key is not None and peer_id not in self._joined:
+                    # a private swarm's server answers only peers that proved they hold its key
+                    if not await private.join(self._p2p, peer, self.swarm_key, PROBE_TIMEOUT_S):
+                        return False
+                    self._joined.add(peer_id)
                 info = await request_info(self._p2p, peer, PROBE_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - whatever fails, the server did not answer: that is what is shown
             logger.debug("Server %s did not answer rpc_info: %r", short_id(peer_id), e)

@@ -1,5 +1,5 @@
-"""Running the HTTP server: `swarmlm api` (the OpenAI-compatible API and the monitor) and `swarmlm monitor`;
-`swarmlm status` prints the monitor's picture once."""
+"""Running the HTTP server: `swarmlm api` (the OpenAI-compatible API and the monitor) and `swarmlm monitor`
+(`swarmlm status`, which prints the monitor's picture once, is in status.py: it needs no model code)."""
 
 from __future__ import annotations
 
@@ -16,18 +16,19 @@ from aiohttp import web
 
 from swarmlm.api.app import Routes
 from swarmlm.api.engine import Engine
-from swarmlm.api.monitor import Monitor, format_status, short_id
+from swarmlm.api.monitor import Monitor, short_id
+from swarmlm.api.status import client_dht
 from swarmlm.checks import check_can_listen
 from swarmlm.client.model import AutoDistributedModelForCausalLM, DistributedCausalLMMixin
 from swarmlm.errors import SwarmError
 from swarmlm.models.loading import load_config, load_tokenizer, resolve_model
 from swarmlm.models.naming import model_name
-from swarmlm.swarm.dht import is_loopback_maddr, start_dht
 
 logger = logging.getLogger(__name__)
 
 READY_LINE = "API ready: "  # then the base URL; tests and the demo wait for it
 MONITOR_READY_LINE = "Monitor ready: "
+MONITOR_LINE = "Monitor page: "  # `swarmlm api` says where its monitor page is, after its ready line
 # on SIGINT/SIGTERM, how long handlers still running may take to finish (the engine has ended their generations)
 SHUTDOWN_TIMEOUT_S = 10.0
 # a connection that has not sent a whole request (headers, then body) in this long is closed, as is one idle as long
@@ -49,6 +50,8 @@ class ApiOptions:
     missing_blocks_timeout_s: float = 10.0  # a request waits this long for missing blocks, then gets a 503
     http_timeout_s: float = HTTP_TIMEOUT_S  # longest a request's headers, or its body, may take to arrive
     revision: str | None = None  # branch, tag or commit of a Hub model (None: its default branch)
+    swarm_key: bytes | None = None  # the secret of the private swarm to use (None: an open swarm)
+    api_key: str | None = None  # requests to /v1/ must carry it as a bearer token (None: no key asked)
 
 
 def served_names(model: str, served_name: str | None, model_dir: Path | None = None) -> tuple[str, ...]:
@@ -93,59 +96,37 @@ def run_api(options: ApiOptions, on_ready: Callable[[str], None] | None = None) 
     dht_prefix = options.dht_prefix or model_name(model_dir).swarm
     with AutoDistributedModelForCausalLM.from_pretrained(
         str(model_dir), initial_peers=list(options.initial_peers),
-        missing_blocks_timeout_s=options.missing_blocks_timeout_s, dht_prefix=dht_prefix,
+        missing_blocks_timeout_s=options.missing_blocks_timeout_s, dht_prefix=dht_prefix, swarm_key=options.swarm_key,
     ) as model:  # fmt: skip
         config = load_config(model_dir)
         engine = Engine(model, load_tokenizer(model_dir), config.max_position_embeddings, options.max_concurrent)
         manager = model._client().manager
         if manager.dht is None:
             raise RuntimeError("the model's client has no DHT")
-        monitor = Monitor(manager.dht, lambda: client_info(model, engine))
+        monitor = Monitor(manager.dht, lambda: client_info(model, engine), options.swarm_key)
         try:
-            routes = Routes(engine, names, monitor, options.http_timeout_s)
+            routes = Routes(engine, names, monitor, options.http_timeout_s, options.api_key)
             asyncio.run(_serve(routes, monitor, options.host, options.port, READY_LINE, on_ready, engine.close,
-                               options.http_timeout_s))  # fmt: skip
+                               options.http_timeout_s, show_monitor=True))  # fmt: skip
         finally:
             engine.close()
 
 
-def run_monitor(initial_peers: tuple[str, ...], host: str, port: int) -> None:
+def run_monitor(initial_peers: tuple[str, ...], host: str, port: int, swarm_key: bytes | None = None) -> None:
     """Serve the monitor page of a swarm (no model, no API) until SIGINT/SIGTERM."""
     check_can_listen(host, port)
-    dht = _client_dht(initial_peers)
+    dht = client_dht(initial_peers, swarm_key)
     try:
-        monitor = Monitor(dht)
+        monitor = Monitor(dht, swarm_key=swarm_key)
         asyncio.run(_serve(Routes(None, (), monitor), monitor, host, port, MONITOR_READY_LINE))
     finally:
         dht.shutdown()
 
 
-def print_status(initial_peers: tuple[str, ...]) -> None:
-    """Print the swarm's models, coverage and servers once."""
-    dht = _client_dht(initial_peers)
-    try:
-
-        async def once() -> dict[str, Any]:
-            monitor = Monitor(dht)
-            try:
-                return await monitor.snapshot()
-            finally:
-                await monitor.close()
-
-        print(format_status(asyncio.run(once())), end="")
-    finally:
-        dht.shutdown()
-
-
-def _client_dht(initial_peers: tuple[str, ...]) -> Any:
-    host = "127.0.0.1" if initial_peers and all(is_loopback_maddr(p) for p in initial_peers) else "0.0.0.0"
-    return start_dht(initial_peers, host=host, client_mode=True)
-
-
 async def _serve(
     routes: Routes, monitor: Monitor, host: str, port: int, ready_line: str,
     on_ready: Callable[[str], None] | None = None, on_stop: Callable[[], None] | None = None,
-    http_timeout_s: float = HTTP_TIMEOUT_S,
+    http_timeout_s: float = HTTP_TIMEOUT_S, show_monitor: bool = False,
 ) -> None:  # fmt: skip
     """Serve until SIGINT or SIGTERM; then on_stop (the engine ends the requests still generating, whose handlers
     then finish) before the server closes its connections."""
@@ -165,6 +146,8 @@ async def _serve(
             raise SwarmError(f"cannot serve HTTP on {host}:{port}: {e.strerror or e}") from e
         bound = runner.addresses[0]
         print(f"{ready_line}http://{host}:{bound[1]}", flush=True)
+        if show_monitor:
+            print(f"{MONITOR_LINE}http://{host}:{bound[1]}/", flush=True)
         if on_ready is not None:
             on_ready(f"http://{host}:{bound[1]}")
         await stop.wait()

@@ -20,7 +20,7 @@ from swarmlm.checks import (
     check_private_file,
 )
 from swarmlm.errors import ConfigError
-from swarmlm.models.constants import ADAPTER_CONFIG, DEFAULT_MODEL
+from swarmlm.models.constants import ADAPTER_CONFIG, DEFAULT_MODEL, KNOWN_MODELS
 from swarmlm.models.hub import parse_hub_name
 
 if TYPE_CHECKING:
@@ -99,6 +99,10 @@ def _check_model(model: str) -> None:
         raise ConfigError(f"model {model}: no such file or folder, nor a Hub repository ORG/NAME (a model is a Hub "
                           f"repository, a known name such as {DEFAULT_MODEL}, a .gguf file or a Hugging Face "
                           "folder)")  # fmt: skip
+    if not looks_like_path and model.lower() not in KNOWN_MODELS and not Path(model).expanduser().exists():
+        # a plain word is a known name or a folder here: refused now, not after seconds of imports
+        raise ConfigError(f"model {model}: not a known model name ({', '.join(KNOWN_MODELS)}), nor a file or folder "
+                          "here, nor a Hub repository ORG/NAME")  # fmt: skip
 
 
 def _check_file(path: str, flag: str) -> None:
@@ -136,6 +140,12 @@ def _check_http_listen(args: argparse.Namespace) -> None:
     check_can_listen(args.host, args.port)
 
 
+def _check_api(args: argparse.Namespace) -> None:
+    if args.api_key is not None and not args.api_key.strip():
+        raise ConfigError("--api-key: empty; give a key, or leave the flag out to ask none")
+    _check_http_listen(args)
+
+
 def _check_demo(args: argparse.Namespace) -> None:
     if args.model_name is not None:
         if args.model != DEFAULT_MODEL:
@@ -154,7 +164,7 @@ def _check_train(args: argparse.Namespace) -> None:
 _COMMAND_CHECKS: dict[str, Callable[[argparse.Namespace], None]] = {
     "serve": _check_serve,
     "dht": _check_p2p_listen,
-    "api": _check_http_listen,
+    "api": _check_api,
     "monitor": _check_http_listen,
     "demo": _check_demo,
     "train": _check_train,

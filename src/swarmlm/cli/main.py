@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from swarmlm.cli.args import Parser, check_arguments, port, positive, positive_int
@@ -12,6 +13,7 @@ from swarmlm.config import MODEL_HELP, REVISION_HELP, ClientConfig, ServerConfig
 from swarmlm.errors import SwarmError
 from swarmlm.models.constants import DEFAULT_MODEL
 from swarmlm.sim import cli as simulate_cli
+from swarmlm.version import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -26,13 +28,23 @@ def parse_blocks(text: str) -> tuple[int, int]:
     return start, end
 
 
-NETWORK_OPTIONS = ("initial_peers", "host", "port", "swarm_key")  # the ServerConfig options a DHT node takes too
+# the ServerConfig options a DHT node takes too
+NETWORK_OPTIONS = (
+    "new_swarm", "initial_peers", "host", "port", "swarm_key", "identity_path", "reconnect_interval_s"
+)  # fmt: skip
 CLIENT_PEERS = Tweak(required=True)  # api, monitor and status join a swarm, never start one
+# the client commands take the key file, as serve and dht do (the config field holds its secret)
+JOIN_KEY = Tweak(help="the key file of the private swarm to join (from `swarmlm swarm-key`)")
+START_KEY = Tweak(help="the key file of a private swarm: the local swarm is started private, or the swarm of "
+                  "--initial-peers joined")  # fmt: skip
+# where `swarmlm api` reads its API key when --api-key is not given (an argument shows in `ps`, the environment not)
+API_KEY_ENV = "SWARMLM_API_KEY"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="swarmlm", description="Run large language models over a swarm of servers")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    parser.add_argument("--version", action="version", version=f"swarmlm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
     dht = sub.add_parser("dht", help="run a bootstrap-only DHT node that others join")
@@ -77,6 +89,8 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     demo.add_argument("--chat", action="store_true", help="chat interactively, keeping one session across turns")
     demo.add_argument("--api", action="store_true", help="serve the OpenAI-compatible API (and monitor) on the swarm")
     demo.add_argument("--api-port", type=port, default=8000, help="HTTP port of --api")
+    add_config_flags(demo, ClientConfig, ["swarm_key"],
+                     swarm_key=Tweak(help="start the local swarm private, with this key file"))  # fmt: skip
 
 
 def _add_api_parsers(sub: argparse._SubParsersAction) -> None:
@@ -85,8 +99,11 @@ def _add_api_parsers(sub: argparse._SubParsersAction) -> None:
     api.add_argument("--revision", default=None, help=REVISION_HELP)
     # ApiOptions' default: an HTTP request gives up on missing blocks sooner than a library call
     wait = Tweak(default=10.0, help="seconds a request waits for missing blocks before a 503")
-    add_config_flags(api, ClientConfig, ["initial_peers", "dht_prefix", "missing_blocks_timeout_s"],
-                     initial_peers=CLIENT_PEERS, missing_blocks_timeout_s=wait)  # fmt: skip
+    add_config_flags(api, ClientConfig, ["initial_peers", "dht_prefix", "missing_blocks_timeout_s", "swarm_key"],
+                     initial_peers=CLIENT_PEERS, missing_blocks_timeout_s=wait, swarm_key=JOIN_KEY)  # fmt: skip
+    api.add_argument("--api-key", default=None, metavar="KEY",
+                     help=f"requests to /v1/ must send 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}, "
+                     "else no key is asked)")  # fmt: skip
     api.add_argument("--host", default="127.0.0.1", help="HTTP interface (default: this machine only)")
     api.add_argument("--port", type=port, default=8000, help="HTTP port (0: any free port)")
     api.add_argument("--served-model-name", default=None, help="the model's name in the API")
@@ -95,18 +112,24 @@ def _add_api_parsers(sub: argparse._SubParsersAction) -> None:
     api.add_argument("--http-timeout", type=positive, default=15.0, help="seconds a client may take to send a "
                      "request's headers, or its body; idle connections close after as long")  # fmt: skip
     monitor = sub.add_parser("monitor", help="serve the swarm monitor page (no API)")
-    add_config_flags(monitor, ClientConfig, ["initial_peers"], initial_peers=CLIENT_PEERS)
+    add_config_flags(monitor, ClientConfig, ["initial_peers", "swarm_key"], initial_peers=CLIENT_PEERS,
+                     swarm_key=JOIN_KEY)  # fmt: skip
     monitor.add_argument("--host", default="127.0.0.1", help="HTTP interface (default: this machine only)")
     monitor.add_argument("--port", type=port, default=8000, help="HTTP port (0: any free port)")
-    status = sub.add_parser("status", help="print the swarm's models, coverage and servers")
-    add_config_flags(status, ClientConfig, ["initial_peers"], initial_peers=CLIENT_PEERS)
+    status = sub.add_parser(
+        "status", help="print the swarm's models, coverage and servers; exit code 0: every model complete, "
+        "1: blocks missing, 3: no model served, 2: bad arguments or an unreachable swarm",
+    )  # fmt: skip
+    add_config_flags(status, ClientConfig, ["initial_peers", "swarm_key"], initial_peers=CLIENT_PEERS,
+                     swarm_key=JOIN_KEY)  # fmt: skip
+    status.add_argument("--json", action="store_true", help="print the monitor's JSON snapshot instead of tables")
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
     train = sub.add_parser("train", help="tune prompts or LoRA on the shipped sentiment task through a swarm")
     train.add_argument("--model", default=DEFAULT_MODEL, help=f"model to tune: {MODEL_HELP}")
     train.add_argument("--revision", default=None, help=REVISION_HELP)
-    add_config_flags(train, ClientConfig, ["initial_peers"],
+    add_config_flags(train, ClientConfig, ["initial_peers", "swarm_key"], swarm_key=START_KEY,
                      initial_peers=Tweak(nargs="*", help="use this swarm (default: start one)"))  # fmt: skip
     train.add_argument("--servers", type=positive_int, default=2, help="servers of the local swarm")
     train.add_argument("--tuning-mode", default="deep_ptune", choices=["ptune", "deep_ptune", "lora"])
@@ -130,20 +153,26 @@ def _api(args: argparse.Namespace) -> None:
         model=args.model, initial_peers=tuple(args.initial_peers), host=args.host, port=args.port,
         served_name=args.served_model_name, dht_prefix=args.dht_prefix, max_concurrent=args.max_concurrent,
         missing_blocks_timeout_s=args.missing_blocks_timeout, http_timeout_s=args.http_timeout,
-        revision=args.revision,
+        revision=args.revision, swarm_key=_swarm_key(args), api_key=api_key(args.api_key, os.environ),
     ))  # fmt: skip
+
+
+def api_key(flag: str | None, environ: dict[str, str] | os._Environ[str]) -> str | None:
+    """The API key: the flag's (checked not empty by cli/args.py), else the environment's (an empty variable means
+    none)."""
+    return flag or environ.get(API_KEY_ENV) or None
 
 
 def _monitor(args: argparse.Namespace) -> None:
     from swarmlm.api.service import run_monitor
 
-    run_monitor(tuple(args.initial_peers), args.host, args.port)
+    run_monitor(tuple(args.initial_peers), args.host, args.port, _swarm_key(args))
 
 
-def _status(args: argparse.Namespace) -> None:
-    from swarmlm.api.service import print_status
+def _status(args: argparse.Namespace) -> int:
+    from swarmlm.api.status import print_status
 
-    print_status(tuple(args.initial_peers))
+    return print_status(tuple(args.initial_peers), _swarm_key(args), args.json)
 
 
 def _train(args: argparse.Namespace) -> None:
@@ -164,6 +193,7 @@ def _train(args: argparse.Namespace) -> None:
             batch_size=args.batch_size,
             lr=args.lr,
             save_dir=args.save,
+            swarm_key_file=args.swarm_key,
         )
     )
 
@@ -196,7 +226,10 @@ def _new_swarm_key(args: argparse.Namespace) -> None:
 def _dht(args: argparse.Namespace) -> None:
     from swarmlm.swarm.bootstrap import run_bootstrap
 
-    run_bootstrap(tuple(args.initial_peers), args.host, args.port, _swarm_key(args), relay=not args.no_relay)
+    run_bootstrap(
+        tuple(args.initial_peers), args.host, args.port, _swarm_key(args), relay=not args.no_relay,
+        identity_path=args.identity, may_start_alone=args.new_swarm, reconnect_interval_s=args.reconnect_interval,
+    )  # fmt: skip
 
 
 def _demo(args: argparse.Namespace) -> None:
@@ -210,6 +243,7 @@ def _demo(args: argparse.Namespace) -> None:
         chat=args.chat,
         api_port=args.api_port if args.api else None,
         revision=args.revision,
+        swarm_key_file=args.swarm_key,
     )
 
 
@@ -226,14 +260,14 @@ def main(argv: list[str] | None = None) -> int:
         commands = {"serve": _serve, "dht": _dht, "demo": _demo, "train": _train, "api": _api, "monitor": _monitor,
                     "status": _status, "swarm-key": _new_swarm_key, "simulate": simulate_cli.run}  # fmt: skip
         check_arguments(args)
-        commands[args.command](args)
+        code = commands[args.command](args)
     except SwarmError as e:
         logger.debug("The error's traceback", exc_info=True)
         print(f"swarmlm: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
-    return 0
+    return code if isinstance(code, int) else 0  # status returns its exit code; the other commands None
 
 
 if __name__ == "__main__":

@@ -195,10 +195,15 @@ class RemoteGenerationMixin(_ModelBase):
             skipped = previous.shape[1]
         elif inputs is None:
             raise ValueError("generate() needs input_ids: the session has no output to continue")
-        if kwargs.get("assistant_model") is not None or kwargs.get("prompt_lookup_num_tokens"):
-            result = self._speculative_generate(session, inputs, args, kwargs)
-        else:
-            result = super().generate(inputs, *args, session=session, **kwargs)
+        # the model's last_trace after generate() tells every step of it (retries and replays included)
+        session.generation_trace = trace.RequestTrace("generate")
+        try:
+            if kwargs.get("assistant_model") is not None or kwargs.get("prompt_lookup_num_tokens"):
+                result = self._speculative_generate(session, inputs, args, kwargs)
+            else:
+                result = super().generate(inputs, *args, session=session, **kwargs)
+        finally:
+            session.generation_trace = None
         sequences = result if isinstance(result, torch.Tensor) else result.sequences  # a tensor or a ModelOutput
         session.output_ids, session.output_mask = sequences, None
         mask = kwargs.get("attention_mask")

@@ -54,6 +54,9 @@ class InferenceSession:
         self._recovery = Recovery(manager, self.state)
         self._active = active  # the owner's sessions open in `with` blocks (generate() uses the innermost)
         self.last_trace: trace.RequestTrace | None = None  # of the last step
+        # every step of the generate() call under way, so that the model's last_trace after it tells the whole
+        # generation (a failover at its third step is not forgotten by its tenth)
+        self.generation_trace: trace.RequestTrace | None = None
         self._on_trace = on_trace  # also told of each step's trace (the model's last_trace)
 
     @property
@@ -146,8 +149,10 @@ class InferenceSession:
 
     def _keep_trace(self, finished: trace.RequestTrace) -> None:
         self.last_trace = finished
+        if self.generation_trace is not None:
+            self.generation_trace.add(finished)
         if self._on_trace is not None:
-            self._on_trace(finished)
+            self._on_trace(self.generation_trace or finished)
 
     def _check_open(self) -> None:
         if self.closed:

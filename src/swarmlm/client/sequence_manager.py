@@ -19,6 +19,7 @@ from swarmlm.client.wire import wire_dtype_of
 from swarmlm.config import ClientConfig
 from swarmlm.errors import MissingBlocksError, RemoteCallError, UnreachableError
 from swarmlm.net.dialing import Dialer
+from swarmlm.net.patches import quiet_transport_logs
 from swarmlm.swarm import private, reports
 from swarmlm.swarm.dht import ParentBoundDHT, is_loopback_maddr, start_dht
 from swarmlm.swarm.private import blind_prefix
@@ -97,6 +98,7 @@ class SequenceManager:
     async def start(self) -> None:
         peers = self.config.initial_peers
         host = "127.0.0.1" if peers and all(is_loopback_maddr(p) for p in peers) else "0.0.0.0"
+        quiet_transport_logs()
         self.dht = await asyncio.to_thread(
             start_dht, peers, host=host, client_mode=True, swarm_key=self.config.swarm_key
         )
@@ -289,7 +291,8 @@ class SequenceManager:
         """Avoid a failed server for a while; each further failure doubles the ban (up to ban_max_s)."""
         duration = self.health.ban(peer_id)
         self._forget(peer_id)
-        logger.warning("Server ...%s failed (%s); avoiding it for %.1f s", peer_id[-6:], reason, duration)
+        # INFO: the request goes on elsewhere (its trace counts the retry); if it cannot, its error says why
+        logger.info("Server ...%s failed (%s); avoiding it for %.1f s", peer_id[-6:], reason, duration)
 
     def unreachable(self, peer_id: str, reason: object) -> None:
         """Avoid a server that could not be connected to, like a failed one (its record may be a stranger's claim:

@@ -70,6 +70,14 @@ class RequestTrace:
     def network_ms(self) -> float:
         return sum(call.network_ms for call in self.calls)
 
+    def add(self, other: RequestTrace) -> None:
+        """Count `other` (a step of a generation) in this trace."""
+        self.calls += other.calls
+        self.checks += other.checks
+        self.retries += other.retries
+        self.replays += other.replays
+        self.total_ms += other.total_ms
+
     def summary(self) -> str:
         """One line for logs and the user: servers, times, retries, replays and checks."""
         checks = ", ".join(f"{c.start}:{c.end} {c.outcome}" for c in self.checks) or "none"

@@ -2,7 +2,31 @@
 
 from __future__ import annotations
 
+import logging
+
 from hivemind.p2p import P2P
+
+# hivemind logs p2pd's own error lines and its stream handlers' failures here, at WARNING, to its stderr handler
+P2PD_LOGGER = "hivemind.p2p.p2p_daemon"
+logger = logging.getLogger(__name__)
+
+
+class _TransportToDebug(logging.Filter):
+    """Moves p2pd's messages to this package's log at DEBUG: a failed stream or a reset connection is noise the
+    client recovers from (its trace counts the retries), not a line for the user's terminal."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR or getattr(record, "caller", None) == "p2pd":
+            logger.debug("p2p: %s", record.getMessage(), exc_info=record.exc_info)
+            return False
+        return True
+
+
+def quiet_transport_logs() -> None:
+    """Keep p2pd's transport noise off stderr (once per process; the DHT's child inherits it when forked after)."""
+    daemon_logger = logging.getLogger(P2PD_LOGGER)
+    if not any(isinstance(each, _TransportToDebug) for each in daemon_logger.filters):
+        daemon_logger.addFilter(_TransportToDebug())
 
 
 def use_only_static_relays() -> None:

@@ -109,7 +109,7 @@ class SpanBackend:
         results, compute_ms = yield from self._run_by_block(start, end, join(requests), None)
         kind = "backward" if requests[0].inputs.grad_outputs is not None else "forward"
         peers, tokens = len({r.peer for r in requests}), sum(r.tokens for r in requests)
-        logger.info("%s batch requests=%d peers=%d blocks=%d:%d tokens=%d %.1f ms", kind, len(requests), peers,
+        logger.debug("%s batch requests=%d peers=%d blocks=%d:%d tokens=%d %.1f ms", kind, len(requests), peers,
                     start, end, tokens, compute_ms)  # fmt: skip
         return [(outputs, compute_ms) for outputs in split(results, requests)]
 
@@ -151,7 +151,7 @@ class SpanBackend:
         if backward and keeping is not None:
             kept = cache.take(keeping.peer, keeping.key, start, end, adapter, forward_inputs)
             how = "runs from its kept forward" if kept else "recomputes its forward (its graph is not kept here)"
-            logger.info("backward blocks=%d:%d peer=...%s %s; %d graphs kept, %.0f MB", start, end,
+            logger.debug("backward blocks=%d:%d peer=...%s %s; %d graphs kept, %.0f MB", start, end,
                         keeping.peer[-6:], how, len(cache), cache.nbytes / 1e6)  # fmt: skip
         graphs: list[BlockGraph] = kept or []
         graphs_bytes = 0  # what the graphs built so far hold
@@ -251,10 +251,10 @@ class SpanBackend:
             results = [out.to("cpu", step.hidden.dtype) for out, step in zip(outputs, steps, strict=True)]
         compute_ms = (time.perf_counter() - began) * 1000
         if steps[0].prompt:
-            logger.info("inference prompts sessions=%d blocks=%d:%d tokens=%d %.1f ms", len(steps), start, end,
+            logger.debug("inference prompts sessions=%d blocks=%d:%d tokens=%d %.1f ms", len(steps), start, end,
                         sum(step.tokens for step in steps), compute_ms)  # fmt: skip
             return [([result], compute_ms) for result in results]
-        logger.info("inference batch sessions=%d blocks=%d:%d rows=%d %.1f ms", len(steps), start, end,
+        logger.debug("inference batch sessions=%d blocks=%d:%d rows=%d %.1f ms", len(steps), start, end,
                     sum(step.rows for step in steps), compute_ms)  # fmt: skip
         return [([result], compute_ms) for result in results]
 

@@ -47,6 +47,7 @@ class SpanHandler:
         self.max_request_bytes = max_message_bytes(backend.limits.max_tokens, backend.limits.hidden_size)
         self.served = 0  # requests answered successfully
         self.rejected = 0  # requests refused as bad or failed on this server
+        self.tokens = 0  # tokens of the requests served (batch x length)
         self.in_flight = 0  # forward/backward requests being computed now (a draining server lets them finish)
 
     async def rpc_forward(self, requests: Parts, context: P2PContext) -> Replies:
@@ -125,7 +126,8 @@ class SpanHandler:
             outputs = bundle.tensors()
             self.served += 1
             tokens = inputs.hidden.shape[0] * inputs.hidden.shape[1]
-            logger.info(
+            self.tokens += tokens
+            logger.debug(
                 "%s blocks=%d:%d tokens=%d peer=...%s %.1f ms",
                 kind, header.start_block, header.end_block, tokens, peer, (time.perf_counter() - began) * 1000,
             )  # fmt: skip

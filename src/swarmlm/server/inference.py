@@ -94,6 +94,10 @@ class InferenceSessions:
         self.chunk_tokens = chunk_tokens
         self.max_message_bytes = max_message_bytes(backend.limits.max_tokens, backend.limits.hidden_size)
         self.open_sessions = 0
+        self.sessions_opened = 0  # in all, since the server started (server/activity.py)
+        self.steps_served = 0  # steps answered
+        self.step_tokens = 0  # tokens of those steps (batch x length)
+        self.steps_failed = 0  # steps that failed here
         self.accepting = True  # False while the server drains: new sessions are refused as busy
         self._closing = asyncio.Event()  # set to close every open session (each is told "busy" and rebuilt elsewhere)
         self.pusher = pusher
@@ -134,7 +138,8 @@ class InferenceSessions:
         )
         held = _HeldLora(self.ledger, peer)
         self.open_sessions += 1
-        logger.info("inference open blocks=%d:%d batch=%d max_length=%d peer=...%s", session.start_block,
+        self.sessions_opened += 1
+        logger.debug("inference open blocks=%d:%d batch=%d max_length=%d peer=...%s", session.start_block,
                     session.end_block, session.batch_size, session.max_length, peer[-6:])  # fmt: skip
         try:
             yield _reply(ReplyHeader(ok=True))
@@ -149,7 +154,7 @@ class InferenceSessions:
             self.budget.release(tokens)
             self.ledger.add_cache(peer, -tokens)
             self.ledger.close_session(peer)
-            logger.info("inference closed blocks=%d:%d peer=...%s", session.start_block, session.end_block, peer[-6:])
+            logger.debug("inference closed blocks=%d:%d peer=...%s", session.start_block, session.end_block, peer[-6:])
 
     async def _open(self, requests: AsyncIterator, peer: str) -> InferenceOpen | None:
         """Read the open message and reserve the session's place and cache; None if the stream ended first."""
@@ -242,7 +247,7 @@ class InferenceSessions:
             try:
                 message = await self._next_step(reader, inbox)
             except _Closing:
-                logger.info("inference session closed by the server (leaving its blocks) peer=...%s", peer)
+                logger.debug("inference session closed by the server (leaving its blocks) peer=...%s", peer)
                 yield _reply(ReplyHeader(ok=False, error="server busy: it left these blocks", error_kind="busy"))
                 return
             except _Overflowed:
@@ -257,7 +262,7 @@ class InferenceSessions:
                 yield _reply(ReplyHeader(ok=False, error=error, error_kind="busy"))
                 return
             except TimeoutError:
-                logger.info("inference session idle for %.0f s, closing peer=...%s", self.idle_timeout_s, peer)
+                logger.debug("inference session idle for %.0f s, closing peer=...%s", self.idle_timeout_s, peer)
                 return
             except ProtocolError as e:
                 PEER_FAULTS.warning(logger, peer, "inference stream refused peer=...%s: %s", peer[-6:], short(str(e)))
@@ -298,6 +303,7 @@ class InferenceSessions:
             except Exception as e:  # noqa: BLE001 - a failed step is answered; it never kills the stream raw
                 intact = inputs.hypo_ids is None and _lengths(cache, session) == before
                 text = short(f"{type(e).__name__}: {e}")
+                self.steps_failed += 1
                 outcome = "session goes on" if intact else "cache changed, closing"
                 PEER_FAULTS.warning(logger, peer, "inference step failed peer=...%s (%s): %s\n%s", peer[-6:], outcome,
                                     text, where(e))  # fmt: skip
@@ -307,7 +313,9 @@ class InferenceSessions:
                 continue
             bundle = named_results(inputs, outputs)
             push_error = await self._push_on(header, inputs, bundle, pushed_to) if header.next_hops else None
-            logger.info("inference step blocks=%d:%d tokens=%d past=%d peer=...%s %.1f ms%s",
+            self.steps_served += 1
+            self.step_tokens += inputs.hidden.shape[0] * inputs.hidden.shape[1]
+            logger.debug("inference step blocks=%d:%d tokens=%d past=%d peer=...%s %.1f ms%s",
                         session.start_block, session.end_block, inputs.hidden.shape[0] * inputs.hidden.shape[1],
                         past, peer, (time.perf_counter() - began) * 1000,
                         f" push failed: {push_error}" if push_error else "")  # fmt: skip

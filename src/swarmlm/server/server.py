@@ -29,7 +29,7 @@ from swarmlm.models.span import SpanModel
 from swarmlm.net import transport
 from swarmlm.net.transport import Gate, StreamLimits
 from swarmlm.protocol.messages import ServerInfo
-from swarmlm.server import lifecycle
+from swarmlm.server import activity, lifecycle
 from swarmlm.server.activations import ActivationCache
 from swarmlm.server.backend import SpanBackend
 from swarmlm.server.cache import CacheBudget, default_cache_tokens
@@ -41,10 +41,11 @@ from swarmlm.server.placement import Span, claimed_first, estimate_throughput, r
 from swarmlm.server.push import Pusher
 from swarmlm.server.scheduler import BatchLimits
 from swarmlm.server.validation import max_message_bytes
-from swarmlm.swarm.catalog import CatalogEntry, announce_entry
+from swarmlm.swarm.catalog import CatalogEntry, announce_entry, catalog_key
 from swarmlm.swarm.dht import check_announce_maddrs, check_relay_maddrs, relay_circuit, start_dht, visible_maddrs
 from swarmlm.swarm.keyfile import load_or_create_identity
 from swarmlm.swarm.private import blind_prefix
+from swarmlm.swarm.reconnect import peers_file
 from swarmlm.swarm.records import ServerRecord, ServerState, announce, fetch_servers
 from swarmlm.version import __version__
 
@@ -133,7 +134,11 @@ class Server:
         cfg = self.config
         key = load_or_create_identity(cfg.identity_path) if cfg.identity_path else None
         self.dht = start_dht(
-            () if cfg.new_swarm else cfg.initial_peers,
+            cfg.initial_peers,
+            may_start_alone=cfg.new_swarm,
+            reconnect_interval_s=cfg.reconnect_interval_s,
+            # a restarted server dials the peers it knew at once (swarm/reconnect.py)
+            peers_file=peers_file(cfg.identity_path) if cfg.identity_path else None,
             host=cfg.host,
             port=cfg.port,
             key=key,
@@ -217,11 +222,11 @@ class Server:
         if failed is not None:
             logger.warning("Storing the DHT record (%s) failed: %s; next try in %.0f s", state, failed,
                            self.config.announce_interval_s)  # fmt: skip
-        if self.config.swarm_key is not None:
-            return record  # a private swarm lists no model in the open catalog (its records are sealed)
+        # a private swarm lists its models under a blinded catalog key, sealed like all its records: for members only
         entry = CatalogEntry(dht_prefix=self.dht_prefix, model=self.model_name.display,
                              num_blocks=self.num_blocks_total, announced_at=get_dht_time())  # fmt: skip
-        failed = await announce_entry(self.dht, self.peer_id, entry, self.config.record_ttl_s)
+        key = catalog_key(self.config.swarm_key)
+        failed = await announce_entry(self.dht, self.peer_id, entry, self.config.record_ttl_s, key)
         if failed is not None:
             logger.warning("Storing the catalog entry failed: %s; next try in %.0f s", failed,
                            self.config.announce_interval_s)  # fmt: skip
@@ -278,7 +283,7 @@ class Server:
         print(f"Server ready: peer {self.peer_id}", flush=True)
         await self._live(stop)
         self._sessions().stop_accepting()  # before the record says so: a client may not have read it yet
-        logger.info("Shutting down: draining (served %d requests)", handler.served)
+        logger.info(activity.drain_line(self._activity(), self._sessions().open_sessions))
         await self._announce(ServerState.DRAINING)
         await lifecycle.drain(self._sessions(), handler, self.config.drain_timeout_s)
         # the DHT keeps the record that expires last, so the offline one must not expire before the online one
@@ -362,11 +367,19 @@ class Server:
         rebalancing = cfg.num_blocks is not None and cfg.rebalance_interval_s > 0
         next_announce = loop.time() + cfg.announce_interval_s
         next_check = loop.time() + lifecycle.rebalance_delay(cfg.rebalance_interval_s) if rebalancing else float("inf")
+        next_summary, summarized = loop.time() + cfg.summary_interval_s, self._activity()
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=max(0.0, min(next_announce, next_check) - loop.time()))
+                wake = min(next_announce, next_check, next_summary)
+                await asyncio.wait_for(stop.wait(), timeout=max(0.0, wake - loop.time()))
             if stop.is_set():
                 return
+            if loop.time() >= next_summary:
+                now = self._activity()
+                line = activity.summary(now.minus(summarized), cfg.summary_interval_s, self._sessions().open_sessions)
+                if line is not None:
+                    logger.info(line)
+                next_summary, summarized = loop.time() + cfg.summary_interval_s, now
             if loop.time() >= next_announce:
                 await self._announce(ServerState.ONLINE)
                 # graphs kept for backwards that never came are freed even when no request arrives to evict them
@@ -379,6 +392,15 @@ class Server:
                 except Exception as e:  # noqa: BLE001 - a failed check or move must not end the server: it stays
                     self._stay(e)
                 next_check = loop.time() + lifecycle.rebalance_delay(cfg.rebalance_interval_s)
+
+    def _activity(self) -> activity.Activity:
+        """What this server served so far (server/activity.py)."""
+        handler, sessions = self.handler, self._sessions()
+        return activity.Activity(
+            requests=0 if handler is None else handler.served, sessions=sessions.sessions_opened,
+            steps=sessions.steps_served, tokens=(0 if handler is None else handler.tokens) + sessions.step_tokens,
+            failed=(0 if handler is None else handler.rejected) + sessions.steps_failed,
+        )  # fmt: skip
 
     async def _rebalance(self, stop: asyncio.Event) -> None:
         """Move to another span if that raises the swarm's bottleneck enough (see placement.should_move)."""

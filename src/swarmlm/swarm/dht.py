@@ -9,6 +9,7 @@ import re
 import shutil
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import hivemind
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -21,6 +22,7 @@ from swarmlm.errors import SwarmError, UnreachablePeersError
 from swarmlm.net.patches import use_only_static_relays
 from swarmlm.swarm.identity import PeerIdSignatureValidator, temporary_identity_file
 from swarmlm.swarm.private import SwarmKeyValidator
+from swarmlm.swarm.reconnect import RECONNECT_INTERVAL_S, start_reconnecting
 from swarmlm.utils.processes import kill_group_when_orphaned
 
 logger = logging.getLogger(__name__)
@@ -70,6 +72,9 @@ def start_dht(
     nat_traversal: bool | None = None,
     relays: Sequence[str] = (),
     relay_service: bool = False,
+    may_start_alone: bool = False,
+    reconnect_interval_s: float = RECONNECT_INTERVAL_S,
+    peers_file: Path | None = None,
 ) -> ParentBoundDHT:
     """Start a DHT node; on a loopback host (or with nat_traversal=False) the NAT traversal and relay machinery of
     p2pd is turned off.
@@ -82,6 +87,11 @@ def start_dht(
     relays: full multiaddrs (.../p2p/<peer id>) of relay nodes for a node that accepts no inbound connections (behind
     NAT or a firewall): it keeps a reservation on each and is dialled through them (relay_circuit), in addition to
     announce_maddrs. relay_service: this node relays for such nodes (it must itself be reachable by everyone).
+
+    may_start_alone (the first node of a swarm, `--new-swarm`): start even when no initial peer answers. Every
+    reconnect_interval_s (0: never), the node dials again its initial peers and the peers it has met that are missing
+    from its routing table (swarm/reconnect.py): a restart, of this node or of another, does not split the swarm.
+    peers_file: where the node keeps the peers it met, and finds those of its previous run to dial at once.
     """
     check_peer_maddrs(initial_peers, "initial peers")
     check_ip_host(host, "host")
@@ -103,9 +113,9 @@ def start_dht(
     key = key or Ed25519PrivateKey.generate()
     identity_path = temporary_identity_file(key)
 
-    def make() -> ParentBoundDHT:
+    def make(peers: Sequence[str]) -> ParentBoundDHT:
         dht = ParentBoundDHT(
-            initial_peers=list(initial_peers),
+            initial_peers=list(peers),
             host_maddrs=[f"/{ip}/{host}/tcp/{port}"],
             client_mode=client_mode,
             start=False,
@@ -120,18 +130,29 @@ def start_dht(
         return dht
 
     try:
-        return _start_joined(make, initial_peers)
+        dht = _start_joined(make, initial_peers, may_start_alone)
     finally:
         # p2pd has read the key once it runs; the key stays only in this process and the DHT's
         shutil.rmtree(identity_path.parent, ignore_errors=True)
+    if reconnect_interval_s > 0:
+        try:
+            start_reconnecting(dht, initial_peers, reconnect_interval_s, peers_file)
+        except BaseException:
+            dht.shutdown()
+            raise
+    return dht
 
 
-def _start_joined(make: Callable[[], ParentBoundDHT], initial_peers: Sequence[str]) -> ParentBoundDHT:
+def _start_joined(
+    make: Callable[[Sequence[str]], ParentBoundDHT], initial_peers: Sequence[str], may_start_alone: bool = False
+) -> ParentBoundDHT:
     """Start a node made by `make`, again a few times while no initial peer answers; raise SwarmError (its subclass
-    UnreachablePeersError when no peer ever answered) with nothing left running when it does not start."""
+    UnreachablePeersError when no peer ever answered) with nothing left running when it does not start. With
+    may_start_alone, a node whose initial peers do not answer at the first try starts without them (it dials them
+    again later)."""
     began, attempt = time.monotonic(), 1
     while True:
-        dht = make()
+        dht = make(initial_peers)
         try:
             dht.run_in_background(await_ready=True)
             return dht
@@ -140,6 +161,9 @@ def _start_joined(make: Callable[[], ParentBoundDHT], initial_peers: Sequence[st
             reason = _daemon_reason(e)
             if not bootstrap_failed(reason, initial_peers):
                 raise SwarmError(f"the p2p daemon (p2pd) did not start: {reason}") from e
+            if may_start_alone:
+                logger.warning("No initial peer answered; starting alone (they are dialled again later)")
+                return _start_joined(make, (), False)
             if attempt == BOOTSTRAP_ATTEMPTS:
                 raise UnreachablePeersError(
                     f"none of the initial peers answered ({attempt} tries in {time.monotonic() - began:.0f} s): "

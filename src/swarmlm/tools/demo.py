@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 import signal
 import sys
@@ -16,7 +17,8 @@ from swarmlm.client.generation import GenerationSession
 from swarmlm.client.model import AutoDistributedModelForCausalLM, DistributedCausalLMMixin
 from swarmlm.models.loading import load_config, load_tokenizer, resolve_model
 from swarmlm.models.naming import model_name
-from swarmlm.tools.local_swarm import start_even_swarm
+from swarmlm.swarm.private import load_swarm_key
+from swarmlm.tools.local_swarm import LocalSwarm, even_spans
 
 # the longest conversation the interactive chat keeps in one inference session
 CHAT_MAX_TOKENS = 2048
@@ -24,7 +26,7 @@ CHAT_MAX_TOKENS = 2048
 
 def run_demo(
     prompt: str, num_servers: int = 2, max_new_tokens: int = 64, model: str = "smollm2-135m-instruct",
-    chat: bool = False, api_port: int | None = None, revision: str | None = None,
+    chat: bool = False, api_port: int | None = None, revision: str | None = None, swarm_key_file: str | None = None,
 ) -> None:  # fmt: skip
     # convert once here, before servers start, rather than in every server; a Hub model's small files come now,
     # and each server fetches the shards of its own blocks
@@ -32,36 +34,65 @@ def run_demo(
     print(f"Starting {num_servers} local servers for {model} ...", flush=True)
     began = time.perf_counter()
     # the servers get the converted folder, which names the same swarm as `model` (models/naming.py)
-    with start_even_swarm(str(model_dir), load_config(model_dir).num_hidden_layers, num_servers) as swarm:
+    num_blocks = load_config(model_dir).num_hidden_layers
+    with start_local_swarm(str(model_dir), num_blocks, num_servers, swarm_key_file) as swarm:
         print(f"Swarm ready in {time.perf_counter() - began:.1f} s: {' '.join(swarm.initial_peers)}", flush=True)
-        print(attach_lines(model, swarm.initial_peers, revision), flush=True)
+        if chat or api_port is not None:  # the swarm lives as long as the chat or the API: others may use it
+            print(attach_lines(model, swarm.initial_peers, revision, swarm_key_file), flush=True)
         if api_port is not None:
-            _serve_api(model, swarm.initial_peers, api_port, revision)
+            _serve_api(model, swarm.initial_peers, api_port, revision, swarm_key_file)
             print("Swarm stopped.")
             return
         with AutoDistributedModelForCausalLM.from_pretrained(
-            str(model_dir), initial_peers=swarm.initial_peers
+            str(model_dir), initial_peers=swarm.initial_peers, swarm_key=swarm_key_file
         ) as distributed:
             tokenizer = load_tokenizer(model_dir)
             if chat:
                 _interactive(distributed, tokenizer, max_new_tokens)
             else:
                 _answer(distributed, tokenizer, prompt, max_new_tokens)
+                print(ONE_SHOT_NOTE, flush=True)
     print("Swarm stopped.")
 
 
-def attach_lines(model: str, initial_peers: list[str], revision: str | None = None) -> str:
+# after the one-shot answer: its swarm stops at once, so it is no swarm to attach to
+ONE_SHOT_NOTE = "The swarm stops now; `swarmlm demo --chat` or `--api` keeps it running for others to attach to."
+
+
+def start_local_swarm(model_dir: str, num_blocks: int, num_servers: int, swarm_key_file: str | None) -> LocalSwarm:
+    """Servers splitting the blocks evenly on this machine, sharing its cores; private with a swarm key file."""
+    threads = max(1, (os.cpu_count() or 1) // num_servers)
+    swarm = LocalSwarm(model_dir, threads_per_server=threads, swarm_key_file=swarm_key_file)
+    try:
+        swarm.start_servers(even_spans(num_blocks, num_servers))
+    except BaseException:
+        swarm.close()
+        raise
+    for server in swarm.servers:
+        where = f"server ...{(server.peer_id or '?')[-6:]} (pid {server.process.pid})"
+        print(f"  {where} serves blocks {server.start}:{server.end}", flush=True)
+    return swarm
+
+
+def attach_lines(
+    model: str, initial_peers: list[str], revision: str | None = None, swarm_key_file: str | None = None
+) -> str:
     """How another process of this machine joins the demo's swarm while it runs: the API, or a Python client."""
     shell = f"swarmlm api {shlex.quote(model)} --initial-peers {' '.join(map(shlex.quote, initial_peers))}"
     python = f"AutoDistributedModelForCausalLM.from_pretrained({model!r}, initial_peers={initial_peers!r}"
     if revision is not None:
         shell += f" --revision {shlex.quote(revision)}"
         python += f", revision={revision!r}"
+    if swarm_key_file is not None:
+        shell += f" --swarm-key {shlex.quote(swarm_key_file)}"
+        python += f", swarm_key={swarm_key_file!r}"
     python += ")"
     return f"Attach to this swarm from another terminal while it runs:\n  {shell}\n  {python}"
 
 
-def _serve_api(model: str, initial_peers: list[str], port: int, revision: str | None = None) -> None:
+def _serve_api(
+    model: str, initial_peers: list[str], port: int, revision: str | None = None, swarm_key_file: str | None = None
+) -> None:
     """The OpenAI-compatible API (and monitor) over the local swarm, in this process, until Ctrl-C."""
     from swarmlm.api.service import ApiOptions, run_api
 
@@ -71,7 +102,8 @@ def _serve_api(model: str, initial_peers: list[str], port: int, revision: str | 
         curl = f"curl {base}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'"
         print(f"Monitor: {base}/   (Ctrl-C stops the API and the swarm)\nTry:\n  {curl}", flush=True)
 
-    run_api(ApiOptions(model=model, initial_peers=tuple(initial_peers), port=port, revision=revision),
+    key = None if swarm_key_file is None else load_swarm_key(swarm_key_file)
+    run_api(ApiOptions(model=model, initial_peers=tuple(initial_peers), port=port, revision=revision, swarm_key=key),
             on_ready=show_how)  # fmt: skip
 
 
@@ -149,8 +181,8 @@ def _interactive(model: DistributedCausalLMMixin, tokenizer: Any, max_new_tokens
     The conversation is kept as messages and rendered by the chat template at every turn, so an answer cut at the
     token limit or by Ctrl-C still ends its turn as the template ends it (its end-of-turn token): the model never
     sees an assistant turn that runs into the next user turn. Ctrl-C during an answer stops it and the chat goes on;
-    at the prompt, Ctrl-C, Ctrl-D or an empty line ends the chat."""
-    print("\nChat with the swarm (Ctrl-C stops an answer; an empty line, Ctrl-D or Ctrl-C at the prompt ends it).")
+    at the prompt, Ctrl-C or Ctrl-D ends the chat (an empty line, easily sent by accident, asks again)."""
+    print("\nChat with the swarm (Ctrl-C stops an answer; Ctrl-D or Ctrl-C at the prompt ends the chat).")
     conversation: list[dict[str, str]] = []
     session = model.inference_session(max_length=CHAT_MAX_TOKENS)
     try:
@@ -186,13 +218,18 @@ def _interactive(model: DistributedCausalLMMixin, tokenizer: Any, max_new_tokens
 
 
 def _read_turn() -> str | None:
-    """The user's next message; None ends the chat (an empty line, Ctrl-D or Ctrl-C)."""
-    try:
-        text = input("\nYou: ").strip()
-    except (EOFError, KeyboardInterrupt):
-        print()
-        return None
-    return text or None
+    """The user's next message; None ends the chat (Ctrl-D or Ctrl-C). Empty lines are skipped: an Enter pressed
+    twice must not end the chat and stop the swarm."""
+    prompt = "\nYou: "
+    while True:
+        try:
+            text = input(prompt).strip()
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return None
+        if text:
+            return text
+        prompt = "You: "  # the empty line already moved to a new line
 
 
 def _keep_common_prefix(session: GenerationSession, ids: torch.Tensor) -> None:

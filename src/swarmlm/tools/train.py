@@ -134,13 +134,14 @@ class TrainOptions:
     lr: float | None = None  # Adam learning rate (None: DEFAULT_LR of the tuning mode)
     held_out: int = 80  # examples kept for the accuracy check
     save_dir: str | None = None  # where to save the trained prompts, or the LoRA adapter (a PEFT folder)
+    swarm_key_file: str | None = None  # a private swarm's key file: the swarm joined, or the local one started private
 
 
 def run_training(options: TrainOptions) -> tuple[float, float]:
     """Accuracy on held-out examples before and after training prompts or LoRA weights through a swarm."""
     from swarmlm.client.model import AutoDistributedModelForCausalLM
     from swarmlm.models.loading import load_config, load_tokenizer, resolve_model
-    from swarmlm.tools.local_swarm import start_even_swarm
+    from swarmlm.tools.demo import start_local_swarm
 
     train_set, held_out = split_examples(load_examples(), options.held_out)
     if not 1 <= options.batch_size <= len(train_set):  # checked before the model loads and any server starts
@@ -151,11 +152,12 @@ def run_training(options: TrainOptions) -> tuple[float, float]:
     swarm, peers = None, options.initial_peers
     if not peers:
         print(f"Starting {options.servers} local servers for {options.model} ...", flush=True)
-        swarm = start_even_swarm(str(model_dir), load_config(model_dir).num_hidden_layers, options.servers)
+        swarm = start_local_swarm(str(model_dir), load_config(model_dir).num_hidden_layers, options.servers,
+                                  options.swarm_key_file)  # fmt: skip
         peers = tuple(swarm.initial_peers)
     try:
         with AutoDistributedModelForCausalLM.from_pretrained(
-            str(model_dir), initial_peers=peers, **tuning_options(options)
+            str(model_dir), initial_peers=peers, swarm_key=options.swarm_key_file, **tuning_options(options)
         ) as model:
             before = task.accuracy(model, held_out)
             print(f"Held-out accuracy before training: {before:.1%} ({len(held_out)} examples)", flush=True)

@@ -1,0 +1,57 @@
+"""What an operator reads: a server's INFO log says start, span, a periodic one-line summary and a drain that counts
+what was served, never a line per step; a client whose server dies mid-generation prints nothing on stderr, and its
+trace counts the retry and the replay."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import connected_model, running_swarm
+
+IDS = torch.tensor([[1, 2, 3, 4, 5]])
+NEW_TOKENS = 20
+
+
+def test_server_logs_a_summary_and_a_true_drain_count_but_no_step_lines(tiny_model_dir: Path) -> None:
+    with running_swarm(tiny_model_dir, [(0, 5)], extra_args=["--summary-interval", "1"]) as swarm:
+        (server,) = swarm.servers
+        with connected_model(tiny_model_dir, swarm) as model:
+            for _ in range(2):  # two sessions
+                model.generate(IDS, max_new_tokens=NEW_TOKENS, do_sample=False)
+        deadline = time.monotonic() + 20
+        while "Last 1 s: " not in server.log_path.read_text():
+            assert time.monotonic() < deadline, server.log_tail()
+            time.sleep(0.2)
+        swarm.stop_server(server)
+        log = server.log_path.read_text()
+    lines = log.splitlines()
+    print(f"\n{len(lines)} log lines for {2 * NEW_TOKENS} generated tokens:\n" + log[-2000:])
+    assert not [line for line in lines if "inference step blocks=" in line or "inference open" in line], log
+    (summary,) = [line for line in lines if "Last 1 s: " in line]  # one busy second, then idle: no more lines
+    assert "2 sessions opened" in summary
+    (drain,) = [line for line in lines if "Shutting down: draining" in line]
+    assert f"served 2 sessions with {2 * NEW_TOKENS} steps" in drain, drain
+    assert len(lines) < 40
+
+
+def test_a_failover_that_succeeds_prints_nothing_and_the_trace_counts_it(
+    tiny_model_dir: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    with running_swarm(tiny_model_dir, [(0, 5), (0, 5)]) as swarm:
+        with connected_model(tiny_model_dir, swarm) as model:
+            with model.inference_session(max_length=64) as session:
+                model.generate(IDS, max_new_tokens=4, do_sample=False)
+                assert model.last_trace is not None and session.last_trace is not None
+                (used,) = session.last_trace.servers
+                capfd.readouterr()
+                swarm.kill(next(server for server in swarm.servers if server.peer_id == used))
+                model.generate(None, max_new_tokens=4, do_sample=False)
+                trace = model.last_trace
+            stderr = capfd.readouterr().err
+    assert stderr == "", stderr
+    assert trace is not None and trace.kind == "generate"
+    assert trace.retries >= 1 and trace.replays >= 1, trace.summary()
