@@ -54,10 +54,11 @@ case "${1:-}" in
     demo) setup; shift; exec "$VENV/bin/swarmlm" demo "$@" ;;
     test) setup_test; shift
           "$VENV/bin/ruff" check src tests bench; "$VENV/bin/ruff" format --check src tests bench
-          # parallel workers, one per core up to 4 (SWARMLM_TEST_WORKERS sets it); each module runs whole on one
-          # worker (--dist loadfile), so its swarm starts once
+          # parallel workers, one more than the cores (tests wait on servers and timeouts as much as they compute)
+          # up to 4; SWARMLM_TEST_WORKERS sets it. Each module runs whole on one worker (--dist loadfile), so its
+          # swarm starts once
           cores=$(nproc 2>/dev/null || echo 2)
-          workers="${SWARMLM_TEST_WORKERS:-$(( cores < 4 ? cores : 4 ))}"
+          workers="${SWARMLM_TEST_WORKERS:-$(( cores + 1 < 4 ? cores + 1 : 4 ))}"
           parallel=(-n "$workers" --dist loadfile)
           if [ "${1:-}" = "--quick" ]; then
               # before every commit: lint, the unit tests and one shared real swarm (tests/integration/test_smoke.py)

@@ -20,6 +20,8 @@ from swarmlm.tools.local_swarm import LocalSwarm
 # servers of the tests' swarms are forked from a process that imported the server's code once (tools/prefork.py):
 # about 4 s of CPU less per server, of the ~190 the suite starts; tests/integration/test_processes.py checks both ways
 os.environ.setdefault(prefork.ENV_SWITCH, "1")
+# servers log each request and step (`serve --log-requests`): tests read from the logs which server served what
+os.environ.setdefault("SWARMLM_LOG_REQUESTS", "1")
 
 # fp32 logits through the swarm must match a local run this closely
 LOGITS_ATOL = 1e-4

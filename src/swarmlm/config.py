@@ -190,6 +190,11 @@ class ServerConfig:
     summary_interval_s: float = option(
         60.0, "seconds between one-line activity summaries in the log (none while idle)", allowed=POSITIVE
     )
+    log_requests: bool = option(
+        False,
+        "log every request, batch and inference step at INFO (DEBUG otherwise), to watch what one server does "
+        "(SWARMLM_LOG_REQUESTS=1 sets it)",
+    )
     # longer than announce_interval_s: covers missed refreshes
     record_ttl_s: float = option(
         30.0, "seconds a record lives unrefreshed (a crashed server is forgotten then)", allowed=POSITIVE

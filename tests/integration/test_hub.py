@@ -11,9 +11,11 @@ import re
 import subprocess
 import sys
 import types
+import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from huggingface_hub import constants, file_download, hf_hub_download
@@ -24,9 +26,12 @@ from swarmlm.errors import ModelLoadError
 from swarmlm.models.fingerprint import model_fingerprint
 from swarmlm.models.loading import converted_from, load_tensors, resolve_model
 from swarmlm.models.naming import model_name
+from swarmlm.tools.demo import attach_lines
 from swarmlm.tools.local_swarm import LocalServer, LocalSwarm
 from tests.conftest import LOGITS_ATOL, load_reference
 from tests.hub import LocalHub
+from tests.integration.test_cli_errors import RUN_TAG
+from tests.integration.test_cli_errors import _tagged as tagged
 
 REPO = "org/tiny"
 GATED = "org/gated"
@@ -301,8 +306,13 @@ ERRORS = [
 def test_hub_errors_are_one_line(
     hub_env: LocalHub, tmp_path: Path, model: str, env: dict[str, str], expected: str
 ) -> None:
-    environment = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "cache"), **env}
+    tag = uuid.uuid4().hex  # marks every process this command starts, so that none can hide
+    environment = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "cache"), RUN_TAG: tag, **env}
     result = run_cli(["serve", *model.split(), "--blocks", "0:1", "--new-swarm"], environment)
+    _, left = psutil.wait_procs(tagged(tag), timeout=10)
+    for process in left:  # fail, but leave nothing to the next tests
+        process.kill()
+    assert left == [], [process.cmdline() for process in left]
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2, result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
@@ -325,6 +335,9 @@ def test_demo_by_repo_id_answers_as_transformers_does(hub_env: LocalHub, checkpo
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"Assistant: {expected}" in result.stdout, result.stdout[-2000:]
-    assert f"from_pretrained('{REPO}'" in result.stdout  # how to attach, by the name the demo was given
+    assert "The swarm stops now" in result.stdout  # a one-shot demo invites no one to attach
+    # in chat and API modes the demo says how to attach, by the name it was given (and its revision)
+    attach = attach_lines(REPO, ["/ip4/127.0.0.1/tcp/1/p2p/x"], "v2")
+    assert f"from_pretrained('{REPO}'" in attach and "revision='v2'" in attach and "--revision v2" in attach
     # the demo's servers and client share one cache: together they fetched each file once, and every file
     assert fetched_files(hub_env) == sorted(small_files(checkpoint) | set(weight_map(checkpoint).values()))

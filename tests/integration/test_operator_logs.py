@@ -16,7 +16,10 @@ IDS = torch.tensor([[1, 2, 3, 4, 5]])
 NEW_TOKENS = 20
 
 
-def test_server_logs_a_summary_and_a_true_drain_count_but_no_step_lines(tiny_model_dir: Path) -> None:
+def test_server_logs_a_summary_and_a_true_drain_count_but_no_step_lines(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("SWARMLM_LOG_REQUESTS", raising=False)  # a server as operators start it
     with running_swarm(tiny_model_dir, [(0, 5)], extra_args=["--summary-interval", "1"]) as swarm:
         (server,) = swarm.servers
         with connected_model(tiny_model_dir, swarm) as model:

@@ -146,7 +146,7 @@ def test_a_server_tampering_in_sessions_is_caught_and_replaced(tiny_model_dir: P
             with model.inference_session(max_length=32) as session:
                 output = model.generate(ids, max_new_tokens=12, do_sample=False, session=session)
             assert torch.equal(output, expected)
-            assert model.last_trace.kind == "inference"
+            assert model.last_trace.kind == "generate"
             if hostile.count(PERTURBED_LINE) > before:
                 break
         else:

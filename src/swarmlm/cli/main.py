@@ -29,6 +29,7 @@ def parse_blocks(text: str) -> tuple[int, int]:
 
 
 # the ServerConfig options a DHT node takes too
+LOG_REQUESTS_VARIABLE = "SWARMLM_LOG_REQUESTS"  # `serve --log-requests` for every server started with it set
 NETWORK_OPTIONS = (
     "new_swarm", "initial_peers", "host", "port", "swarm_key", "identity_path", "reconnect_interval_s"
 )  # fmt: skip
@@ -204,6 +205,8 @@ def _serve(args: argparse.Namespace) -> None:
     start_block, end_block = args.blocks or (0, 0)
     # the swarm_key flag names a key file; the config holds its secret
     extra = {"start_block": start_block, "end_block": end_block, "swarm_key": _swarm_key(args)}
+    if os.environ.get(LOG_REQUESTS_VARIABLE) == "1":  # the test suite's servers: tests read what each one served
+        extra["log_requests"] = True
     Server(ServerConfig(**{**config_values(ServerConfig, args), **extra})).run()
 
 

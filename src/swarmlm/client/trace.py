@@ -49,7 +49,7 @@ class CheckTrace:
 
 @dataclass
 class RequestTrace:
-    kind: str  # forward | backward | inference
+    kind: str  # forward | backward | inference | generate (a whole generate() call)
     calls: list[CallTrace] = field(default_factory=list)
     checks: list[CheckTrace] = field(default_factory=list)
     retries: int = 0  # failed calls that were retried elsewhere

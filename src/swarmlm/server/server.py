@@ -50,6 +50,8 @@ from swarmlm.swarm.records import ServerRecord, ServerState, announce, fetch_ser
 from swarmlm.version import __version__
 
 logger = logging.getLogger(__name__)
+# the modules that log each request, batch and inference step (at DEBUG; at INFO with --log-requests)
+REQUEST_LOGGERS = ("swarmlm.server.backend", "swarmlm.server.handler", "swarmlm.server.inference")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 AUTO_DTYPE = "auto"  # --dtype auto: compute in the checkpoint's own dtype
@@ -81,6 +83,9 @@ class Server:
             raise SwarmError(f"--decode-wait-ms must be 0 or more, not {config.decode_wait_s * 1000:g}")
         check_relay_maddrs(config.relays)
         check_device(config.device)  # torch would fail only once the blocks load, obscurely
+        if config.log_requests:
+            for name in REQUEST_LOGGERS:  # their per-request and per-step lines are DEBUG
+                logging.getLogger(name).setLevel(logging.DEBUG)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.model_dir = resolve_model(config.model, cache_dir=config.cache_dir, revision=config.revision)
