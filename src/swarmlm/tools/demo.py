@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import shlex
 import signal
 import sys
@@ -18,7 +17,7 @@ from swarmlm.client.model import AutoDistributedModelForCausalLM, DistributedCau
 from swarmlm.models.loading import load_config, load_tokenizer, resolve_model
 from swarmlm.models.naming import model_name
 from swarmlm.swarm.private import load_swarm_key
-from swarmlm.tools.local_swarm import LocalSwarm, even_spans
+from swarmlm.tools.local_swarm import start_even_swarm
 
 # the longest conversation the interactive chat keeps in one inference session
 CHAT_MAX_TOKENS = 2048
@@ -35,7 +34,7 @@ def run_demo(
     began = time.perf_counter()
     # the servers get the converted folder, which names the same swarm as `model` (models/naming.py)
     num_blocks = load_config(model_dir).num_hidden_layers
-    with start_local_swarm(str(model_dir), num_blocks, num_servers, swarm_key_file) as swarm:
+    with start_even_swarm(str(model_dir), num_blocks, num_servers, swarm_key_file) as swarm:
         print(f"Swarm ready in {time.perf_counter() - began:.1f} s: {' '.join(swarm.initial_peers)}", flush=True)
         if chat or api_port is not None:  # the swarm lives as long as the chat or the API: others may use it
             print(attach_lines(model, swarm.initial_peers, revision, swarm_key_file), flush=True)
@@ -57,21 +56,6 @@ def run_demo(
 
 # after the one-shot answer: its swarm stops at once, so it is no swarm to attach to
 ONE_SHOT_NOTE = "The swarm stops now; `swarmlm demo --chat` or `--api` keeps it running for others to attach to."
-
-
-def start_local_swarm(model_dir: str, num_blocks: int, num_servers: int, swarm_key_file: str | None) -> LocalSwarm:
-    """Servers splitting the blocks evenly on this machine, sharing its cores; private with a swarm key file."""
-    threads = max(1, (os.cpu_count() or 1) // num_servers)
-    swarm = LocalSwarm(model_dir, threads_per_server=threads, swarm_key_file=swarm_key_file)
-    try:
-        swarm.start_servers(even_spans(num_blocks, num_servers))
-    except BaseException:
-        swarm.close()
-        raise
-    for server in swarm.servers:
-        where = f"server ...{(server.peer_id or '?')[-6:]} (pid {server.process.pid})"
-        print(f"  {where} serves blocks {server.start}:{server.end}", flush=True)
-    return swarm
 
 
 def attach_lines(

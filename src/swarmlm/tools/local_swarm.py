@@ -207,10 +207,13 @@ class LocalSwarm:
         self.close()
 
 
-def start_even_swarm(model_dir: str, num_blocks: int, num_servers: int) -> LocalSwarm:
-    """A local swarm of num_servers servers splitting the blocks evenly, the machine's cores shared among them."""
+def start_even_swarm(
+    model_dir: str, num_blocks: int, num_servers: int, swarm_key_file: str | None = None
+) -> LocalSwarm:
+    """A local swarm of num_servers servers splitting the blocks evenly, the machine's cores shared among them;
+    private with a swarm key file."""
     threads = max(1, (os.cpu_count() or 1) // num_servers)
-    swarm = LocalSwarm(model_dir, threads_per_server=threads)
+    swarm = LocalSwarm(model_dir, threads_per_server=threads, swarm_key_file=swarm_key_file)
     try:
         swarm.start_servers(even_spans(num_blocks, num_servers))
     except BaseException:

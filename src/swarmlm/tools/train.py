@@ -141,7 +141,7 @@ def run_training(options: TrainOptions) -> tuple[float, float]:
     """Accuracy on held-out examples before and after training prompts or LoRA weights through a swarm."""
     from swarmlm.client.model import AutoDistributedModelForCausalLM
     from swarmlm.models.loading import load_config, load_tokenizer, resolve_model
-    from swarmlm.tools.demo import start_local_swarm
+    from swarmlm.tools.local_swarm import start_even_swarm
 
     train_set, held_out = split_examples(load_examples(), options.held_out)
     if not 1 <= options.batch_size <= len(train_set):  # checked before the model loads and any server starts
@@ -152,7 +152,7 @@ def run_training(options: TrainOptions) -> tuple[float, float]:
     swarm, peers = None, options.initial_peers
     if not peers:
         print(f"Starting {options.servers} local servers for {options.model} ...", flush=True)
-        swarm = start_local_swarm(str(model_dir), load_config(model_dir).num_hidden_layers, options.servers,
+        swarm = start_even_swarm(str(model_dir), load_config(model_dir).num_hidden_layers, options.servers,
                                   options.swarm_key_file)  # fmt: skip
         peers = tuple(swarm.initial_peers)
     try:
