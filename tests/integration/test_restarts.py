@@ -4,18 +4,16 @@ whole again, exactly, within a deadline."""
 
 from __future__ import annotations
 
-import asyncio
 import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from swarmlm.api.monitor import Monitor
+from swarmlm.api.status import swarm_snapshot
 from swarmlm.checks import check_can_listen
 from swarmlm.errors import SwarmError
 from swarmlm.swarm.dht import start_dht
@@ -110,15 +108,7 @@ def online_spans(peers: list[str]) -> set[tuple[str, int, int]]:
     """What `swarmlm status` shows through `peers`: the servers online and answering, as (peer id, start, end)."""
     dht = start_dht(peers, host="127.0.0.1", client_mode=True, reconnect_interval_s=0)
     try:
-
-        async def once() -> dict[str, Any]:
-            monitor = Monitor(dht)
-            try:
-                return await monitor.snapshot()
-            finally:
-                await monitor.close()
-
-        snapshot = asyncio.run(once())
+        snapshot = swarm_snapshot(dht)
     finally:
         dht.shutdown()
     return {(row["peer_id"], row["start"], row["end"]) for model in snapshot["models"] for row in model["servers"]

@@ -32,19 +32,24 @@ def status_code(snapshot: dict[str, Any]) -> int:
     return STATUS_COMPLETE if all(model["complete"] for model in snapshot["models"]) else STATUS_MISSING_BLOCKS
 
 
+def swarm_snapshot(dht: Any, swarm_key: bytes | None = None) -> dict[str, Any]:
+    """The monitor's snapshot of the swarm, once, through the DHT node `dht`."""
+
+    async def once() -> dict[str, Any]:
+        monitor = Monitor(dht, swarm_key=swarm_key)
+        try:
+            return await monitor.snapshot()
+        finally:
+            await monitor.close()
+
+    return asyncio.run(once())
+
+
 def print_status(initial_peers: tuple[str, ...], swarm_key: bytes | None = None, as_json: bool = False) -> int:
     """Print the swarm's models, coverage and servers once; the exit code that sums them up."""
     dht = client_dht(initial_peers, swarm_key)
     try:
-
-        async def once() -> dict[str, Any]:
-            monitor = Monitor(dht, swarm_key=swarm_key)
-            try:
-                return await monitor.snapshot()
-            finally:
-                await monitor.close()
-
-        snapshot = asyncio.run(once())
+        snapshot = swarm_snapshot(dht, swarm_key)
     finally:
         dht.shutdown()
     print(json.dumps(snapshot, indent=2) if as_json else format_status(snapshot), end="\n" if as_json else "")
