@@ -99,6 +99,7 @@ class Server:
         self.dtype_name = serving_dtype(config.dtype, model_config)  # the compute dtype, announced as is
         self.dtype = DTYPES[self.dtype_name]
         self.num_blocks_total = model_config.num_hidden_layers
+        self.family = get_family(model_config)
         # clients use only servers of the very model they loaded: announced in every record
         self.fingerprint = model_fingerprint(self.model_dir)
         self.start, self.end = requested_span(config, self.num_blocks_total)
@@ -189,8 +190,7 @@ class Server:
         to --max-disk-space (a no-op without one, or for a model that is no Hub snapshot)."""
         if self.config.max_disk_space_gb is None:
             return
-        family = get_family(load_config(self.model_dir))
-        needed = weight_files_for(self.model_dir, [family.block_tensor_prefix(i) for i in range(start, end)])
+        needed = weight_files_for(self.model_dir, [self.family.block_tensor_prefix(i) for i in range(start, end)])
         evicted = evict(self.model_dir, needed, int(self.config.max_disk_space_gb * 1e9))
         if evicted:
             logger.info("Evicted %d cached weight files no served block needs (--max-disk-space %g GB): %s",
