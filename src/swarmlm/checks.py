@@ -12,16 +12,12 @@ import math
 import socket
 import stat
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import base58
 
 from swarmlm.errors import ConfigError, SwarmError
-
-if TYPE_CHECKING:
-    from swarmlm.config import ClientConfig
 
 
 @dataclass(frozen=True)
@@ -169,21 +165,21 @@ def check_device(name: str) -> None:
         raise ConfigError(f"--device {name}: MPS is not available on this machine")
 
 
-# --- ClientConfig: a check per field (fields without one, if any, are taken as they are) ---
+# --- checks of one config field each: (field name, value) -> None or ConfigError (config.py's tables) ---
 
 Check = Callable[[str, object], None]
 
 
-def _in(allowed: Range) -> Check:
+def in_range(allowed: Range) -> Check:
     return lambda name, value: check_range(name, value, allowed)
 
 
-def _optional_text(name: str, value: object) -> None:
+def optional_text(name: str, value: object) -> None:
     if value is not None and not isinstance(value, str):
         raise ConfigError(f"{name} must be a string or None, not {value!r}")
 
 
-def _names(name: str, value: object) -> None:
+def string_list(name: str, value: object) -> None:
     """A list, tuple or set of strings; a single string is refused: it would be read as its characters."""
     if isinstance(value, str) or not isinstance(value, list | tuple | set | frozenset):
         raise ConfigError(f"{name} must be a list of strings, not {value!r}")
@@ -191,86 +187,22 @@ def _names(name: str, value: object) -> None:
         raise ConfigError(f"{name} must hold strings only, not {value!r}")
 
 
-def _optional_names(name: str, value: object) -> None:
+def optional_string_list(name: str, value: object) -> None:
     if value is not None:
-        _names(name, value)
+        string_list(name, value)
 
 
-def _flag(name: str, value: object) -> None:
+def boolean(name: str, value: object) -> None:
     if not isinstance(value, bool):
         raise ConfigError(f"{name} must be True or False, not {value!r}")
 
 
-def _peers(name: str, value: object) -> None:
-    _names(name, value)
+def peers(name: str, value: object) -> None:
+    string_list(name, value)
     check_peer_maddrs(value, name)  # type: ignore[arg-type]  # a sequence of str, checked just above
 
 
-def _accepted_dtypes(name: str, value: object) -> None:
-    from swarmlm.models.constants import QUANT_MODES
-
-    known = ("float32", "bfloat16", "float16", *QUANT_MODES)  # the compute dtypes servers announce, and quantized
-    _names(name, value)
-    unknown = sorted(set(value) - set(known))  # type: ignore[call-overload]  # a collection of str, checked above
-    if unknown or not value:
-        raise ConfigError(f"{name} must name some of {', '.join(known)}, not {value!r}")
-
-
-def _wire_dtype(name: str, value: object) -> None:
-    from swarmlm.client.wire import WIRE_DTYPES
-
-    if value not in WIRE_DTYPES:
-        raise ConfigError(f"{name} must be one of {', '.join(WIRE_DTYPES)}, not {value!r}")
-
-
-def _routing(name: str, value: object) -> None:
-    from swarmlm.swarm.routing import ROUTING_MODES
-
-    if value not in ROUTING_MODES:
-        raise ConfigError(f"{name} must be one of {', '.join(ROUTING_MODES)}, not {value!r}")
-
-
-def _swarm_key(name: str, value: object) -> None:
+def swarm_key_value(name: str, value: object) -> None:
     if value is not None and not (isinstance(value, bytes) and len(value) == 32):
         given = f"{len(value)} bytes" if isinstance(value, bytes) else repr(value)  # a secret is never shown
         raise ConfigError(f"{name} must be a swarm key file's path or its 32-byte secret, not {given}")
-
-
-CLIENT_CHECKS: dict[str, Check] = {
-    "initial_peers": _peers,
-    "dht_prefix": _optional_text,
-    "max_tokens_per_request": _in(POSITIVE_INT),
-    "request_timeout_s": _in(POSITIVE),
-    "liveness_check_s": _in(NON_NEGATIVE),
-    "missing_blocks_timeout_s": _in(NON_NEGATIVE),
-    "max_retries": _in(COUNT),
-    "ban_base_s": _in(NON_NEGATIVE),
-    "ban_max_s": _in(NON_NEGATIVE),
-    "swarm_refresh_interval_s": _in(POSITIVE),
-    "dht_timeout_s": _in(POSITIVE),
-    "allowed_servers": _optional_names,
-    "blocked_servers": _names,
-    "accepted_dtypes": _accepted_dtypes,
-    "route_tie_tolerance": _in(NON_NEGATIVE),
-    "route_stickiness": _in(NON_NEGATIVE),
-    "active_adapter": _optional_text,
-    "sticky_route_s": _in(NON_NEGATIVE),
-    "use_push": _flag,
-    "verify_probability": _in(PROBABILITY),
-    "verify_first_requests": _in(COUNT),
-    "report_ttl_s": _in(POSITIVE),
-    "swarm_key": _swarm_key,
-    "wire_dtype": _wire_dtype,
-    "ping_timeout_s": _in(POSITIVE),
-    "connect_timeout_s": _in(POSITIVE),
-    "explore_interval_s": _in(NON_NEGATIVE),
-    "routing": _routing,
-}
-
-
-def check_client_config(config: ClientConfig) -> None:
-    """Raise ConfigError naming the first field of `config` with a value of the wrong type or out of range."""
-    for field in fields(config):
-        check = CLIENT_CHECKS.get(field.name)
-        if check is not None:
-            check(field.name, getattr(config, field.name))

@@ -9,8 +9,27 @@ from __future__ import annotations
 from dataclasses import Field, dataclass, field, fields
 from typing import Any, TypeVar
 
-from swarmlm.checks import FRACTION, NON_NEGATIVE, PORT, POSITIVE, POSITIVE_INT, Range, check_client_config
-from swarmlm.models.constants import DEFAULT_MODEL, QUANT_MODES
+from swarmlm.checks import (
+    COUNT,
+    FRACTION,
+    NON_NEGATIVE,
+    PORT,
+    POSITIVE,
+    POSITIVE_INT,
+    PROBABILITY,
+    Check,
+    Range,
+    boolean,
+    in_range,
+    optional_string_list,
+    optional_text,
+    peers,
+    string_list,
+    swarm_key_value,
+)
+from swarmlm.errors import ConfigError
+from swarmlm.models.constants import DEFAULT_MODEL, QUANT_MODES, WIRE_DTYPE_NAMES
+from swarmlm.swarm.routing import ROUTING_MODES
 
 T = TypeVar("T")
 OPTION = "swarmlm.option"  # the key of a field's metadata that holds its Option
@@ -243,6 +262,67 @@ class ServerConfig:
         "elsewhere)",
         allowed=NON_NEGATIVE,
     )
+
+
+# --- ClientConfig: a check per field (fields without one, if any, are taken as they are) ---
+
+
+def _accepted_dtypes(name: str, value: object) -> None:
+    known = ("float32", "bfloat16", "float16", *QUANT_MODES)  # the compute dtypes servers announce, and quantized
+    string_list(name, value)
+    unknown = sorted(set(value) - set(known))  # type: ignore[call-overload]  # a collection of str, checked above
+    if unknown or not value:
+        raise ConfigError(f"{name} must name some of {', '.join(known)}, not {value!r}")
+
+
+def _wire_dtype(name: str, value: object) -> None:
+    if value not in WIRE_DTYPE_NAMES:
+        raise ConfigError(f"{name} must be one of {', '.join(WIRE_DTYPE_NAMES)}, not {value!r}")
+
+
+def _routing(name: str, value: object) -> None:
+    if value not in ROUTING_MODES:
+        raise ConfigError(f"{name} must be one of {', '.join(ROUTING_MODES)}, not {value!r}")
+
+
+CLIENT_CHECKS: dict[str, Check] = {
+    "initial_peers": peers,
+    "dht_prefix": optional_text,
+    "max_tokens_per_request": in_range(POSITIVE_INT),
+    "request_timeout_s": in_range(POSITIVE),
+    "liveness_check_s": in_range(NON_NEGATIVE),
+    "missing_blocks_timeout_s": in_range(NON_NEGATIVE),
+    "max_retries": in_range(COUNT),
+    "ban_base_s": in_range(NON_NEGATIVE),
+    "ban_max_s": in_range(NON_NEGATIVE),
+    "swarm_refresh_interval_s": in_range(POSITIVE),
+    "dht_timeout_s": in_range(POSITIVE),
+    "allowed_servers": optional_string_list,
+    "blocked_servers": string_list,
+    "accepted_dtypes": _accepted_dtypes,
+    "route_tie_tolerance": in_range(NON_NEGATIVE),
+    "route_stickiness": in_range(NON_NEGATIVE),
+    "active_adapter": optional_text,
+    "sticky_route_s": in_range(NON_NEGATIVE),
+    "use_push": boolean,
+    "verify_probability": in_range(PROBABILITY),
+    "verify_first_requests": in_range(COUNT),
+    "report_ttl_s": in_range(POSITIVE),
+    "swarm_key": swarm_key_value,
+    "wire_dtype": _wire_dtype,
+    "ping_timeout_s": in_range(POSITIVE),
+    "connect_timeout_s": in_range(POSITIVE),
+    "explore_interval_s": in_range(NON_NEGATIVE),
+    "routing": _routing,
+}
+
+
+def check_client_config(config: ClientConfig) -> None:
+    """Raise ConfigError naming the first field of `config` with a value of the wrong type or out of range."""
+    for entry in fields(config):
+        check = CLIENT_CHECKS.get(entry.name)
+        if check is not None:
+            check(entry.name, getattr(config, entry.name))
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from swarmlm.checks import (
-    CLIENT_CHECKS,
     FRACTION,
     NON_NEGATIVE,
     PORT,
@@ -23,7 +22,7 @@ from swarmlm.checks import (
     check_peer_maddrs,
     check_private_file,
 )
-from swarmlm.config import ClientConfig
+from swarmlm.config import CLIENT_CHECKS, ClientConfig
 from swarmlm.errors import ConfigError, ModelLoadError, SwarmError
 from tests.conftest import descendants
 

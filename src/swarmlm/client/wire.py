@@ -18,11 +18,12 @@ from typing import TypeVar
 
 import torch
 
+from swarmlm.models.constants import WIRE_DTYPE_NAMES
 from swarmlm.protocol.int8 import compressible
 from swarmlm.protocol.messages import _Header
 
 # wire dtypes a client may choose; values: the dtype floats travel in
-WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}
+WIRE_DTYPES = {name: getattr(torch, name) for name in WIRE_DTYPE_NAMES}
 
 H = TypeVar("H", bound=_Header)
 

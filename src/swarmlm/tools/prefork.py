@@ -3,7 +3,7 @@
 Importing torch, transformers and hivemind costs a `swarmlm serve` process about 4 s of CPU before it does
 anything; a test suite or benchmark that starts hundreds of servers spends most of its time there. A forker is a
 process (bound to this one) that imports the server's modules once, then forks a child for each server asked for:
-the child sets the environment, working directory and output it was given and runs `swarmlm.cli.main.main` with the
+the child sets the environment, working directory and output it was given and runs the named module's `main` with the
 command line, as `python -m swarmlm.cli.main` would. Everything after the fork is the ordinary server.
 
 What a fork cannot change: modules read some environment variables when they are imported (OpenMP's wait policy,
@@ -17,6 +17,7 @@ die with it (utils/processes.py).
 from __future__ import annotations
 
 import hashlib
+import importlib
 import io
 import json
 import logging
@@ -129,8 +130,8 @@ class Forker:
         with self._send_lock:
             self._requests += 1
             number = self._requests
-            request = {"number": number, "argv": list(args[3:]), "env": dict(env), "cwd": cwd or os.getcwd(),
-                       "process_group": process_group}  # fmt: skip
+            request = {"number": number, "module": args[2], "argv": list(args[3:]), "env": dict(env),
+                       "cwd": cwd or os.getcwd(), "process_group": process_group}  # fmt: skip
             payload = json.dumps(request).encode()
             try:
                 socket.send_fds(self.sock, [_HEADER.pack(len(payload)) + payload], [write_end])
@@ -252,8 +253,6 @@ def close_all(timeout_s: float = 10.0) -> None:
 
 
 def _serve(sock: socket.socket) -> None:
-    import importlib
-
     for module in PRELOAD:
         importlib.import_module(module)
     if threading.active_count() > 1:
@@ -318,7 +317,7 @@ def _child(sock: socket.socket, request: dict[str, Any], output: int) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        sys.argv = [MODULE, *request["argv"]]
+        sys.argv = [request["module"], *request["argv"]]
         # children of one forker would share its random states: seed them anew, as a new process would be
         import random
 
@@ -326,9 +325,8 @@ def _child(sock: socket.socket, request: dict[str, Any], output: int) -> None:
 
         random.seed()
         torch.seed()
-        from swarmlm.cli.main import main
-
-        code = main(request["argv"])
+        # the module is named by the command line, as `python -m` names it (the forker runs commands, not code)
+        code = importlib.import_module(request["module"]).main(request["argv"])
         # what the interpreter does at exit after `python -m`: join the threads left, then run the exit handlers
         # (multiprocessing's stops the DHT's process)
         threading._shutdown()  # type: ignore[attr-defined]
