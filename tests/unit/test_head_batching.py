@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
 import time
 
@@ -130,6 +131,48 @@ def test_a_generation_alone_does_not_wait(monkeypatch: pytest.MonkeyPatch) -> No
     for _ in range(5):
         batcher(head, torch.randn(1, 1, 8))
     assert time.monotonic() - began < 2.0
+
+
+class ManualClock:
+    """A clock a test sets by hand: the batcher's timing rules are checked at chosen times, with no waiting."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_generation_that_stopped_calling_no_longer_holds_back_the_others(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Callers seen within ACTIVE_S are a cohort: the next caller waits (up to GATHER_MAX_S) for their rows; one
+    unseen for ACTIVE_S (a finished generation) is not waited for."""
+    monkeypatch.setattr(head_batching, "GATHER_GAP_S", 30.0)  # a wait for a cohort would show as seconds
+    monkeypatch.setattr(head_batching, "GATHER_MAX_S", 30.0)
+    clock, head = ManualClock(), torch.nn.Linear(8, 50, bias=False)
+    batcher = HeadBatcher(clock=clock)
+    calls: queue.Queue[float] = queue.Queue()  # the other generation's thread calls the head after each delay
+
+    def other_generation() -> None:
+        while (delay_s := calls.get()) >= 0:
+            time.sleep(delay_s)
+            batcher(head, torch.randn(1, 1, 8))
+            calls.task_done()
+
+    other = threading.Thread(target=other_generation, daemon=True)
+    other.start()
+    calls.put(0.0)  # the other generation calls the head
+    calls.join()
+    batches = batcher.batches
+    calls.put(0.2)  # and calls again a moment after this one: this caller waits for its rows
+    batcher(head, torch.randn(1, 1, 8))
+    calls.join()
+    assert batcher.batches == batches + 1  # both rows went as one product
+    clock.now += head_batching.ACTIVE_S + 0.01  # the other generation has not called for ACTIVE_S: it is gone
+    began = time.monotonic()
+    batcher(head, torch.randn(1, 1, 8))
+    assert time.monotonic() - began < 5.0  # not held for the gone generation's rows
+    calls.put(-1)
+    other.join(timeout=30)
 
 
 def test_products_use_the_packed_weight_and_follow_its_changes() -> None:

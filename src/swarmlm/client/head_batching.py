@@ -61,7 +61,8 @@ class HeadBatcher:
     same head; each thread gets back its own rows' output, shaped like its input (..., vocab). Gradients do not flow
     through it."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock  # monotonic seconds (a test gives its own to check the timing rules without waiting)
         self._lock = threading.Condition()
         self._queue: list[_Rows] = []
         self._running = False
@@ -77,7 +78,7 @@ class HeadBatcher:
         with self._lock:
             self._queue.append(mine)
             self._lock.notify_all()  # a thread gathering its cohort sees the new rows
-            active = self._active(time.monotonic())
+            active = self._active(self._clock())
             while self._running and not mine.done:
                 self._lock.wait()
             if not mine.done and len(self._queue) < active:
@@ -103,16 +104,16 @@ class HeadBatcher:
     def _gather(self, mine: _Rows, active: int) -> None:
         """Wait (with the lock held, releasing it meanwhile) for more of the active generations' rows: until all are
         queued, none arrived for GATHER_GAP_S, GATHER_MAX_S passed, or another thread took the head."""
-        began = last = time.monotonic()
+        began = last = self._clock()
         queued = len(self._queue)
         while not mine.done and not self._running and queued < active:
-            now = time.monotonic()
+            now = self._clock()
             left = min(last + GATHER_GAP_S, began + GATHER_MAX_S) - now
             if left <= 0:
                 return
             self._lock.wait(left)
             if len(self._queue) != queued:
-                queued, last = len(self._queue), time.monotonic()
+                queued, last = len(self._queue), self._clock()
         while self._running and not mine.done:  # another thread took the head meanwhile (and maybe these rows)
             self._lock.wait()
 
@@ -212,7 +213,7 @@ class LoopHeadBatcher:
         self._product = product  # (rows, hidden) -> (rows, vocab), run on the worker thread
         self.stepping = 0
         self._queue: list[tuple[torch.Tensor, asyncio.Future[torch.Tensor]]] = []
-        self._first = self._last = 0.0  # when the oldest and the newest queued rows came (monotonic s)
+        self._first = self._last = 0.0  # when the oldest and the newest queued rows came (the loop's clock, s)
         self._running = False
         self._timer: asyncio.TimerHandle | None = None
         self._executor: ThreadPoolExecutor | None = None
@@ -221,8 +222,9 @@ class LoopHeadBatcher:
 
     async def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """(rows, hidden) -> (rows, vocab)."""
-        future: asyncio.Future[torch.Tensor] = asyncio.get_running_loop().create_future()
-        now = time.monotonic()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[torch.Tensor] = loop.create_future()
+        now = loop.time()  # the clock its timers (call_later) run by
         if not self._queue:
             self._first = now
         self._queue.append((hidden, future))
@@ -247,7 +249,7 @@ class LoopHeadBatcher:
             return
         wait = 0.0
         if self.stepping > 0:
-            wait = min(self._last + GATHER_GAP_S, self._first + GATHER_MAX_S) - time.monotonic()
+            wait = min(self._last + GATHER_GAP_S, self._first + GATHER_MAX_S) - asyncio.get_running_loop().time()
         if wait > 0:
             self._timer = asyncio.get_running_loop().call_later(wait, self._consider)
             return
