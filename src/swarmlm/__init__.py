@@ -8,11 +8,13 @@ from typing import TYPE_CHECKING, Any
 from swarmlm.errors import (
     BadRequestError,
     ConfigError,
+    MissingAdapterError,
     MissingBlocksError,
     ModelLoadError,
     ProtocolError,
     RemoteCallError,
     SessionClosedError,
+    SwarmBusyError,
     SwarmError,
     UnreachablePeersError,
 )
@@ -51,6 +53,7 @@ __all__ = [
     "BadRequestError",
     "ClientConfig",
     "ConfigError",
+    "MissingAdapterError",
     "MissingBlocksError",
     "ModelLoadError",
     "ProtocolError",
@@ -58,6 +61,7 @@ __all__ = [
     "RemoteSequential",
     "ServerConfig",
     "SessionClosedError",
+    "SwarmBusyError",
     "SwarmError",
     "UnreachablePeersError",
 ]

@@ -91,6 +91,8 @@ def options(config: type) -> dict[str, tuple[Field[Any], Option]]:
     return {each.name: (each, described) for each, described in found if described is not None}
 
 
+# how a server finds the speed it announces (server/speed.py)
+THROUGHPUT_MODES = ("auto", "eval")
 SERVER_DTYPES = ("float32", "bfloat16", "float16", "auto")
 MODEL_HELP = (
     f"Hub repository ORG/NAME (or ORG/NAME/FILE.gguf), model name ({DEFAULT_MODEL}), .gguf file or Hugging Face folder"
@@ -162,6 +164,12 @@ class ServerConfig:
     max_tokens_per_request: int = option(8192, "batch * sequence tokens one request may carry", allowed=POSITIVE_INT)
     request_timeout_s: float = 60.0  # longest a request may take to arrive in full
     num_threads: int | None = option(None, "torch compute threads (default: torch's choice)", allowed=POSITIVE_INT)
+    throughput: str = option(
+        "auto",
+        "the speed this server announces: auto (measured once on this machine for this model, dtype and threads, "
+        "then kept in the cache folder: restarts announce the same) or eval (measured again now, and kept)",
+        choices=THROUGHPUT_MODES,
+    )
     cache_tokens: int | None = option(
         None,
         "KV-cache budget in tokens, batch * max_length summed over sessions (default: 1/4 of free memory)",
@@ -292,6 +300,7 @@ CLIENT_CHECKS: dict[str, Check] = {
     "request_timeout_s": in_range(POSITIVE),
     "liveness_check_s": in_range(NON_NEGATIVE),
     "missing_blocks_timeout_s": in_range(NON_NEGATIVE),
+    "busy_wait_s": in_range(NON_NEGATIVE),
     "max_retries": in_range(COUNT),
     "ban_base_s": in_range(NON_NEGATIVE),
     "ban_max_s": in_range(NON_NEGATIVE),
@@ -340,6 +349,12 @@ class ClientConfig:
         30.0, "seconds to wait for a server to cover a block before giving up", allowed=NON_NEGATIVE
     )
     max_retries: int = option(10, "failed span calls tolerated per request before the error is raised")
+    busy_wait_s: float = option(
+        10.0,
+        "seconds to keep trying when every server of some blocks answered busy (the swarm is full), before "
+        "SwarmBusyError says when to come back; also the longest a busy server is avoided",
+        allowed=NON_NEGATIVE,
+    )
     ban_base_s: float = option(1.0, "first ban of a failed server; doubles on each further failure")
     ban_max_s: float = option(60.0, "longest ban")
     swarm_refresh_interval_s: float = option(5.0, "how often the swarm view is re-read from the DHT in the background")

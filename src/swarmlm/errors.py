@@ -38,6 +38,21 @@ class MissingBlocksError(SwarmError):
         )
 
 
+class MissingAdapterError(MissingBlocksError):
+    """Servers answer for some blocks, but none of them holds the LoRA adapter the client asked for: waiting would not
+    help, so this is raised at once. `held` says which adapters the servers of those blocks hold."""
+
+    def __init__(self, adapter: str, missing: list[int], held: list[str]):
+        SwarmError.__init__(
+            self,
+            f"No server serves LoRA adapter {adapter!r} for block(s) {_format_ranges(missing)}; the servers of those "
+            f"blocks hold: {'; '.join(held)}. Serve it with `swarmlm serve MODEL --blocks {missing[0]}:"
+            f"{missing[-1] + 1} --adapters PATH/{adapter} --initial-peers ...`, or name an adapter they hold",
+        )
+        self.missing, self.waited_s = list(missing), 0.0
+        self.adapter, self.held = adapter, list(held)
+
+
 class ProtocolError(SwarmError):
     """A message on the wire is malformed, of an unknown version, or violates the server's limits."""
 
@@ -56,6 +71,18 @@ class RemoteCallError(SwarmError):
     def __init__(self, message: str, peer_id: str | None = None):
         self.peer_id = peer_id
         super().__init__(message if peer_id is None else f"{message} (peer ...{peer_id[-6:]})")
+
+
+class SwarmBusyError(RemoteCallError):
+    """Every server that could serve some blocks answered busy (they hold all the sessions they have room for):
+    the swarm is full now. retry_after_s is when to try again, from the servers' own estimates."""
+
+    def __init__(self, start: int, end: int, waited_s: float, retry_after_s: float):
+        self.start, self.end, self.waited_s, self.retry_after_s = start, end, waited_s, retry_after_s
+        super().__init__(
+            f"The swarm is full: every server of blocks {start}:{end} answered busy (waited {waited_s:.1f} s). "
+            f"Try again in {max(1.0, retry_after_s):.0f} s, or start a server for these blocks to add room"
+        )
 
 
 class UnreachableError(RemoteCallError):

@@ -13,12 +13,15 @@ import sys
 
 from swarmlm.cli import main as cli
 from swarmlm.server import backend as backend_module
+from swarmlm.server import speed
 
 
 def main() -> int:
     backend, throughput = backend_module.SpanBackend, float(sys.argv[1])
     backend.measure_throughput = lambda self, *args, **kwargs: throughput
     backend.measure_inference_throughput = lambda self, *args, **kwargs: throughput
+    # measured every start, never from the speeds kept on this machine (those are honest servers' figures)
+    speed.known_speed = lambda folder, key, measure, remeasure=False: speed.Speed(*measure(), speed.MEASURED_NOW, 0.0)
     return cli.main(sys.argv[2:])
 
 

@@ -14,6 +14,7 @@ import sys
 
 from swarmlm.cli import main as cli
 from swarmlm.server import backend as backend_module
+from swarmlm.server import speed
 
 # printed (and so in the server's log) when a request or step reaches the backend
 BEGAN_LINE = "SLOW request began"
@@ -36,6 +37,8 @@ def main() -> int:
     backend.step = _delayed(backend.step, delay_s)
     backend.measure_throughput = lambda self, *args, **kwargs: TEMPTING_THROUGHPUT
     backend.measure_inference_throughput = lambda self, *args, **kwargs: TEMPTING_THROUGHPUT
+    # measured every start, never from the speeds kept on this machine (those are honest servers' figures)
+    speed.known_speed = lambda folder, key, measure, remeasure=False: speed.Speed(*measure(), speed.MEASURED_NOW, 0.0)
     return cli.main(sys.argv[2:])
 
 

@@ -4,13 +4,14 @@ from servers that hold adapters."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from swarmlm.errors import MissingBlocksError
+from swarmlm.errors import MissingAdapterError, MissingBlocksError
 from swarmlm.tools.local_swarm import LocalSwarm
 from tests.conftest import LOGITS_ATOL, connected_model, load_reference
 from tests.integration.test_backward_tiny import assert_close, gradients
@@ -137,7 +138,30 @@ def test_base_requests_after_adapter_requests_are_the_base_model(folders, swarm)
     assert_base_model_through_adapter_servers(folders, swarm)
 
 
-def test_an_adapter_no_server_has_is_missing_blocks(folders, swarm) -> None:
-    with connected_model(folders["model"], swarm, active_adapter="nowhere", missing_blocks_timeout_s=1.0) as model:
-        with pytest.raises(MissingBlocksError):
-            model(ids(3))
+def test_an_adapter_no_server_has_fails_at_once_naming_it(folders, swarm) -> None:
+    # the servers of every block answer, none holds the adapter: waiting for missing blocks cannot help, so the
+    # error comes at once (well within the 60 s the client would otherwise wait) and says which adapters are held
+    options = dict(active_adapter="nowhere", missing_blocks_timeout_s=60.0)
+    with connected_model(folders["model"], swarm, **options) as model:
+        for run in (lambda: model(ids(3)), lambda: model.generate(ids(3), max_new_tokens=2)):
+            began = time.monotonic()
+            with pytest.raises(MissingAdapterError) as refused:
+                run()
+            assert time.monotonic() - began < 5.0
+            assert isinstance(refused.value, MissingBlocksError)  # callers catching the old error still do
+            message = str(refused.value)
+            assert "adapter 'nowhere'" in message and "block(s) 0-3" in message
+            assert "everywhere, some-blocks" in message and "...none" not in message
+            assert "--adapters" in message  # how to serve it
+
+
+def test_an_adapter_some_blocks_lack_names_those_blocks(folders, swarm) -> None:
+    # only the plain server holds blocks 2:4 for this client: an adapter served for 0:2 alone is missing at 2:4
+    options = dict(active_adapter="everywhere", missing_blocks_timeout_s=60.0)
+    plain = swarm.servers[2].peer_id
+    with connected_model(folders["model"], swarm, allowed_servers=(swarm.servers[0].peer_id, plain), **options) as m:
+        began = time.monotonic()
+        with pytest.raises(MissingAdapterError, match=r"adapter 'everywhere' for block\(s\) 2-3") as refused:
+            m(ids(3))
+        assert time.monotonic() - began < 5.0
+        assert f"...{plain[-6:]} (blocks 2:4): no adapters" in str(refused.value)

@@ -86,7 +86,6 @@ HIDDEN = torch.randn(1, 4, 64)
 LORA = LoraSpec(rank=2, scaling=2.0, targets=("q_proj", "v_proj"))
 V1 = {"protocol_version": PROTOCOL_VERSION, "kind": "forward", "start_block": 0, "end_block": 5}
 CASES = {
-    "out-of-span blocks": (ForwardRequest(start_block=3, end_block=9), [HIDDEN], "not served here"),
     "empty block range": (ForwardRequest(start_block=3, end_block=3), [HIDDEN], "not served here"),
     "wrong hidden size": (good_header(), [torch.randn(1, 4, 63)], "hidden size 63"),
     "wrong rank": (good_header(), [torch.randn(4, 64)], "shape (batch, seq, 64)"),
@@ -196,6 +195,12 @@ def test_bad_request_gets_a_clear_error(raw: RawClient, case: str) -> None:
     reply = raw.forward(header, tensors)
     assert not reply.ok and reply.error_kind == "bad_request"
     assert message in reply.error
+
+
+def test_blocks_this_server_does_not_hold_are_not_served_not_bad(raw: RawClient) -> None:
+    reply = raw.forward(ForwardRequest(start_block=3, end_block=9), [HIDDEN])
+    # another server may hold them (the sender's view of this one was out of date): not the caller's error
+    assert not reply.ok and reply.error_kind == "not_served" and "blocks 3:9 are not served here" in reply.error
 
 
 def test_more_tokens_than_this_server_takes_is_too_large_not_bad(raw: RawClient) -> None:

@@ -16,7 +16,7 @@ from transformers.cache_utils import DynamicCache
 
 from swarmlm.client.loop import LoopThread
 from swarmlm.client.sequence_manager import SequenceManager
-from swarmlm.client.span_call import SpanStream
+from swarmlm.client.span_call import RerouteError, SpanStream
 from swarmlm.config import ClientConfig
 from swarmlm.errors import BadRequestError, RemoteCallError
 from swarmlm.models.naming import default_dht_prefix
@@ -378,10 +378,12 @@ def test_a_step_before_open_is_a_bad_request(client: SessionClient) -> None:
 
 
 def test_blocks_outside_the_span_are_not_served(client: SessionClient) -> None:
-    with pytest.raises(BadRequestError, match="not served here"):
+    # another server may serve them (the client's view of this one was out of date): the client re-routes
+    with pytest.raises(RerouteError, match="not served here") as refused:
         client.open(1, 8, start=3, end=7)
+    assert refused.value.kind == "not_served"
     reply = client.raw_open(InferenceOpen(start_block=3, end_block=7, batch_size=1, max_length=8))
-    assert not reply.ok and reply.error_kind == "bad_request" and "blocks 3:7 are not served here" in reply.error
+    assert not reply.ok and reply.error_kind == "not_served" and "blocks 3:7 are not served here" in reply.error
     with pytest.raises(BadRequestError, match="exceeds the model's context"):
         client.open(1, 257)
 

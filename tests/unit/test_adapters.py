@@ -130,5 +130,7 @@ def test_requests_may_name_only_adapters_served_here() -> None:
     limits = SpanLimits(start=0, end=2, hidden_size=64, max_tokens=64, max_position=256, adapters=("a",))
     check_adapter(None, limits)
     check_adapter("a", limits)
-    with pytest.raises(ProtocolError, match="adapter 'b' is not served here \\(adapters served: a\\)"):
+    with pytest.raises(ProtocolError, match="adapter 'b' is not served here \\(adapters served: a\\)") as refused:
         check_adapter("b", limits)
+    # another server may hold it: the client re-routes (and says at once which adapters are held where, if none does)
+    assert getattr(refused.value, "error_kind", None) == "not_served"

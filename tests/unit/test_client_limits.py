@@ -27,7 +27,13 @@ def _manager(limits: dict[str, int | None]) -> SequenceManager:
     manager = SequenceManager(ClientConfig(missing_blocks_timeout_s=0.0), "test", num_blocks=4)
     manager.view.servers = {
         peer: SimpleNamespace(
-            start=0, end=4, throughput=100.0, max_tokens_per_request=limit, sessions_open=0, queue_depth=0.0
+            start=0,
+            end=4,
+            throughput=100.0,
+            max_tokens_per_request=limit,
+            sessions_open=0,
+            queue_depth=0.0,
+            cache_tokens_left=None,
         )  # type: ignore[misc]
         for peer, limit in limits.items()
     }

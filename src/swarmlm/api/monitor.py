@@ -149,6 +149,7 @@ def describe_model(
             "version": record.version,
             "dtype": record.dtype,
             "throughput": round(record.throughput, 1),
+            "throughput_source": record.throughput_source,
             "inference_throughput": None if record.inference_throughput is None else round(
                 record.inference_throughput, 1),
             "sessions_open": record.sessions_open,
@@ -183,6 +184,7 @@ def format_status(snapshot: dict[str, Any]) -> str:
         bar = "".join("#" if block["servers"] > 1 else "=" if block["servers"] else "." for block in model["blocks"])
         lines.append(f"  coverage [{bar}]  (# 2+ servers, = one, . none)")
         lines.append(_table(model["servers"]))
+        lines.extend(_speed_sources(model["servers"]))
         lines.append("")
     client = snapshot.get("client")
     if client:
@@ -211,6 +213,18 @@ def _table(servers: list[dict[str, Any]]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(HEADERS))]
     return "\n".join("  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
                      for row in rows)  # fmt: skip
+
+
+def _speed_sources(servers: list[dict[str, Any]]) -> list[str]:
+    """How the servers' tokens/s were found (measured at start, or kept from an earlier measurement there): one line
+    per distinct description, with the servers it applies to."""
+    if not servers:
+        return []
+    by_source: dict[str, list[str]] = {}
+    for server in servers:
+        source = server.get("throughput_source") or "not said (an older server)"
+        by_source.setdefault(source, []).append(server["short_id"])
+    return ["  tokens/s: " + "; ".join(f"{source} ({', '.join(ids)})" for source, ids in by_source.items())]
 
 
 def _cache(server: dict[str, Any]) -> str:

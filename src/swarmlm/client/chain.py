@@ -13,7 +13,7 @@ from swarmlm.client import trace
 from swarmlm.client.sequence_manager import SequenceManager
 from swarmlm.client.span_call import Expected, Expects, RerouteError, call_span
 from swarmlm.client.verify import Opinion, settle
-from swarmlm.errors import BadRequestError, MissingBlocksError, RemoteCallError, UnreachableError
+from swarmlm.errors import BadRequestError, MissingBlocksError, RemoteCallError, SwarmBusyError, UnreachableError
 from swarmlm.protocol.bundle import ReplyTensors, SpanTensors
 from swarmlm.protocol.lora import LoraWeights
 from swarmlm.protocol.messages import BackwardRequest, ForwardRequest
@@ -49,11 +49,16 @@ class ChainArgs:
 class RetryBudget:
     """The one retry policy of a request (forward, backward or an inference step), bounded by max_retries calls.
 
-    - "busy": the server has no room now. It cools down briefly on this client (no failure of it, never escalating)
-      and the request goes elsewhere, or back to it once the cool-down is over. "timeout" (the request stopped
-      arriving at the server: the path between them stalled, not necessarily the server) is treated the same.
+    - "busy": the server has no room now. It cools down on this client for the wait it suggested, bounded (no
+      failure of it, never escalating) and the request goes elsewhere, or back to it once the cool-down is over;
+      when only busy servers are left, SwarmBusyError says the swarm is full (after busy_wait_s, or max_retries).
+      "timeout" (the request stopped arriving at the server: the path between them stalled, not necessarily the
+      server) is treated the same.
     - "too_large": the request exceeds this server's own limits: it is avoided for the rest of this request. If no
       other server can run the span, the RerouteError is raised (RemoteSequential then splits the sub-batch).
+    - "not_served": the server does not hold the blocks or adapter it was asked for (it moved, or restarted with
+      another span, since this client read its announcement): it is avoided for the rest of this request, the swarm
+      is read again before the next route, and the route waits for missing blocks like any other.
     - "bad_request" from one server: maybe that server is wrong, so another server is asked. The request is the
       user's error (BadRequestError) only once two different servers refused it, or when no other server can run
       the span (then that server's message is raised).
@@ -68,6 +73,7 @@ class RetryBudget:
         self.manager, self.failures, self.spread = manager, 0, spread  # spread: see SequenceManager.make_route
         self.avoid: set[str] = set()  # servers this request does not go to again
         self._refused_by: set[str] = set()  # servers that called this request bad
+        self._stale_view = False  # a server refused what it was announced to hold: re-read the swarm first
 
     async def route(self, start: int, end: int, tokens: int, session_tokens: int | None = None) -> list[RouteSpan]:
         """A route over [start, end) for `tokens` tokens, without the servers this request avoids (and for opening
@@ -76,6 +82,9 @@ class RetryBudget:
         try:
             # make_route gives up after missing_blocks_timeout_s; this deadline also bounds its DHT reads
             async with asyncio.timeout(config.missing_blocks_timeout_s + config.request_timeout_s):
+                if self._stale_view:
+                    self._stale_view = False
+                    await self.manager.refresh()
                 return await self.manager.make_route(start, end, tokens, self.avoid, session_tokens, self.spread)
         except TimeoutError as e:
             raise RemoteCallError(f"finding a route over blocks {start}:{end} timed out") from e
@@ -94,15 +103,20 @@ class RetryBudget:
             self.avoid.add(peer)
             if len(self._refused_by) >= 2 or not self.manager.can_route(span.start, span.end, tokens, self.avoid):
                 raise error
+        elif isinstance(error, RerouteError) and error.kind == "not_served":
+            self.avoid.add(peer)
+            self._stale_view = True
         elif isinstance(error, RerouteError) and error.kind == "too_large":
             self.avoid.add(peer)
             if not self.manager.can_route(span.start, span.end, tokens, self.avoid):
                 raise error
         elif isinstance(error, RerouteError):
-            self.manager.cool_down(peer, error)
+            self.manager.cool_down(peer, error, error.retry_after_s)
         else:
             self.manager.ban(peer, error)
         if self.failures > self.manager.config.max_retries:
+            if isinstance(error, RerouteError) and error.kind == "busy":  # the swarm is full: say so, and when
+                raise SwarmBusyError(span.start, span.end, 0.0, self.manager.health.cooling_left_s()) from error
             raise RemoteCallError(f"giving up after {self.failures} failed calls; last: {error}") from error
         logger.info("Re-routing blocks %d:%d after failure %d: %s", span.start, span.end, self.failures, error)
 

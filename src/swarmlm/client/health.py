@@ -68,6 +68,13 @@ def ban_seconds(failures: int, base_s: float, max_s: float) -> float:
     return min(base_s * 2 ** (failures - 1), max_s)
 
 
+def busy_cool_down_s(retry_after_s: float | None, base_s: float, most_s: float) -> float:
+    """How long a server that answered busy is avoided: the wait it suggested, at least base_s (a server's hint
+    cannot make clients hammer it) and at most most_s (nor keep them away for long: the hint is only a claim)."""
+    hint = base_s if retry_after_s is None or not math.isfinite(retry_after_s) else retry_after_s
+    return min(max(hint, base_s), max(base_s, most_s))
+
+
 class Health:
     """Bans (exponential back-off per failing server) and call statistics per server."""
 
@@ -111,9 +118,22 @@ class Health:
 
     def banned(self) -> set[str]:
         """Servers routes must avoid now: banned after failures, or cooling down after a busy reply."""
+        return self.avoided() | self.cooling()
+
+    def avoided(self) -> set[str]:
+        """Servers banned after failures (or for good: distrusted), not counting busy cool-downs."""
         now = time.monotonic()
-        banned = {peer for peer, (until, _) in self._bans.items() if until > now}
-        return banned | self._distrusted | {peer for peer, until in self._cool_downs.items() if until > now}
+        return {peer for peer, (until, _) in self._bans.items() if until > now} | self._distrusted
+
+    def cooling(self) -> set[str]:
+        """Servers cooling down after a busy reply."""
+        now = time.monotonic()
+        return {peer for peer, until in self._cool_downs.items() if until > now}
+
+    def cooling_left_s(self) -> float:
+        """Seconds until the first busy server's cool-down ends (0: none cools down)."""
+        now = time.monotonic()
+        return min((until - now for until in self._cool_downs.values() if until > now), default=0.0)
 
     def record_success(self, peer_id: str, seconds: float, work: float) -> None:
         """A call of `work` block-tokens to `peer_id` took `seconds` in total, as measured by this client."""

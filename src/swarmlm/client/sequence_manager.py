@@ -7,24 +7,26 @@ import logging
 import random
 import time
 from collections.abc import Collection, Iterable
+from dataclasses import replace
 
 from hivemind.p2p import P2P, P2PDaemonError, PeerID
 from hivemind.utils import get_dht_time
 
-from swarmlm.client.health import Health
+from swarmlm.client.health import Health, busy_cool_down_s
 from swarmlm.client.latency import measure_all
 from swarmlm.client.swarm_view import ServerFilter, SwarmView
 from swarmlm.client.verify import Verifier
 from swarmlm.client.wire import wire_dtype_of
 from swarmlm.config import ClientConfig
-from swarmlm.errors import MissingBlocksError, RemoteCallError, UnreachableError
+from swarmlm.errors import MissingBlocksError, RemoteCallError, SwarmBusyError, UnreachableError
 from swarmlm.net.dialing import Dialer
 from swarmlm.net.patches import quiet_transport_logs
 from swarmlm.swarm import private, reports
 from swarmlm.swarm.dht import ParentBoundDHT, is_loopback_maddr, start_dht
 from swarmlm.swarm.private import blind_prefix
 from swarmlm.swarm.records import ServerRecord, fetch_servers
-from swarmlm.swarm.routing import Policy, RouteSpan, ServerView, find_route, missing_blocks, policy_for
+from swarmlm.swarm.route_choice import Knowledge, RouteChoice, RouteRequest, choose_route
+from swarmlm.swarm.routing import RouteSpan, ServerView, find_route, missing_blocks, policy_for
 
 logger = logging.getLogger(__name__)
 
@@ -136,11 +138,12 @@ class SequenceManager:
             await asyncio.sleep(self.config.swarm_refresh_interval_s)
             await self.refresh()
 
-    def _excluded(self, tokens: int, avoid: Collection[str]) -> set[str]:
-        """Servers a route for `tokens` tokens must not use: banned, cooling down, avoided, or announcing a
-        smaller per-request limit."""
+    def _excluded(self, tokens: int, avoid: Collection[str], busy_too: bool = True) -> set[str]:
+        """Servers a route for `tokens` tokens must not use: banned, cooling down after a busy answer (unless not
+        busy_too), avoided, or announcing a smaller per-request limit."""
         too_small = {peer for peer in self.servers if (self.max_tokens_of(peer) or tokens) < tokens}
-        return self.health.banned() | set(avoid) | too_small
+        avoided = self.health.banned() if busy_too else self.health.avoided()
+        return avoided | set(avoid) | too_small
 
     def _remember_dtypes(self) -> None:
         for peer, record in self.servers.items():
@@ -184,32 +187,69 @@ class SequenceManager:
     ) -> list[RouteSpan]:
         """A route over blocks [start, end) for `tokens` tokens, without the servers in `avoid`; waits for missing
         blocks up to the configured timeout. session_tokens (batch x max_length): the route opens inference
-        sessions of this size, so servers announcing too little free cache for one are avoided while others can
-        serve their blocks (announcements lag: when none can, the servers themselves answer); such a route follows
-        the session policy, others the batch policy (config.routing). Without spread, the cheapest route is taken (no
-        draw among near-equal ones, no stickiness) and missing blocks are not waited for: spot checks want few
-        servers, and a check without an independent route is skipped, not waited for."""
+        sessions of this size (servers announcing too little free cache are avoided while others can serve their
+        blocks) and follows the session policy, others the batch policy (config.routing). Without spread, the
+        cheapest route is taken and missing blocks are not waited for (spot checks). The choice itself is
+        swarm/route_choice.py's choose_route, the function the simulator runs too.
+
+        When a route exists only through servers that answered busy, the swarm is full: the route is waited for up
+        to busy_wait_s, then SwarmBusyError tells the caller when to come back."""
         began = time.monotonic()
         policy = self.batch_policy if session_tokens is None else self.session_policy
+        request = RouteRequest(start, end, tokens, policy, session_tokens, spread)
         await self.measure_unknown(start, end)
         while True:
-            banned, views = self._excluded(tokens, avoid), self.view.views(self.health)
-            roomy = banned if session_tokens is None else banned | self.view.full_for(session_tokens, start, end)
-            route = (self._explore(views, start, end, tokens, roomy, policy) if spread else None) or self._find(
-                views, start, end, tokens, roomy, policy, spread
-            )
-            if route is None and roomy != banned:  # announcements lag: when none has room, the servers answer
-                route = self._find(views, start, end, tokens, banned, policy, spread)
-            if route is not None:
-                now = time.monotonic()
-                self._last_used.update((span.peer_id, now) for span in route)
-                return route
+            views = self.view.views(self.health)
+            known = self._knowledge(views, tokens, avoid, spread)
+            choice = choose_route(views, request, known, self._rng)
+            if choice is not None:
+                self._took(choice, start, end)
+                return choice.route
+            lacking = self.view.missing_adapter(start, end)
+            if lacking is not None:  # servers answer for those blocks, none with the adapter: no wait would help
+                raise lacking
             waited = time.monotonic() - began
+            self._give_up_if_full(views, request, known, waited)
             if waited >= self.config.missing_blocks_timeout_s or not spread:  # a spot check never waits for servers
-                missing = missing_blocks(views, start, end, banned=banned)
+                missing = missing_blocks(views, start, end, banned=known.banned)
                 raise MissingBlocksError(missing or list(range(start, end)), waited)
             await asyncio.sleep(MISSING_BLOCKS_POLL_S)
             await self.refresh()
+
+    def _knowledge(self, views: list[ServerView], tokens: int, avoid: Collection[str], spread: bool) -> Knowledge:
+        """What choose_route needs of this client's state: bans, busy cool-downs, recent servers, unmeasured ones."""
+        config, health = self.config, self.health
+        busy = frozenset(health.cooling())
+        banned = frozenset(self._excluded(tokens, avoid, busy_too=False))
+        recent = time.monotonic() - config.sticky_route_s
+        interval = config.explore_interval_s
+        explore = spread and interval > 0 and time.monotonic() - self._explored_at >= interval
+        unmeasured = frozenset(v.peer_id for v in views
+                               if not health.has_measured(v.peer_id) and health.answered(v.peer_id))  # fmt: skip
+        return Knowledge(
+            banned=banned, busy=busy, prefer=frozenset(p for p, when in self._last_used.items() if when > recent),
+            unmeasured=unmeasured if explore else frozenset(), explore=explore,
+            tie_tolerance=config.route_tie_tolerance, stickiness=config.route_stickiness,
+            full_tokens=config.max_tokens_per_request,
+        )  # fmt: skip
+
+    def _took(self, choice: RouteChoice, start: int, end: int) -> None:
+        now = time.monotonic()
+        if choice.explored is not None:
+            self._explored_at = now
+            logger.info("Trying server ...%s (never measured) for blocks %d:%d", choice.explored[-6:], start, end)
+        self._last_used.update((span.peer_id, now) for span in choice.route)
+
+    def _give_up_if_full(
+        self, views: list[ServerView], request: RouteRequest, known: Knowledge, waited: float
+    ) -> None:
+        """Raise SwarmBusyError once busy_wait_s passed while only servers that answered busy could serve."""
+        if not known.busy or waited < self.config.busy_wait_s:
+            return
+        if choose_route(views, request, replace(known, busy=frozenset()), None) is None:
+            return  # blocks are missing whoever has room: MissingBlocksError's wait applies
+        retry_s = self.health.cooling_left_s()
+        raise SwarmBusyError(request.start, request.end, waited, retry_s)
 
     async def measure_unknown(self, start: int, end: int) -> None:
         """Time a round trip to each server of blocks [start, end) this client never measured, so that the first
@@ -227,65 +267,6 @@ class SequenceManager:
         duration = self.health.record_unanswered_ping(peer_id, self.config.ping_timeout_s)
         self._forget(peer_id)
         logger.info("Server ...%s did not answer a ping; avoiding it for %.1f s", peer_id[-6:], duration)
-
-    def _find(
-        self,
-        views: list[ServerView],
-        start: int,
-        end: int,
-        tokens: int,
-        banned: set[str],
-        policy: Policy,
-        spread: bool = True,
-    ) -> list[RouteSpan] | None:
-        """find_route under `policy` drawing among near-equal routes, preferring the servers this client used
-        recently (without spread: the cheapest route)."""
-        config = self.config
-        if not spread:
-            full = config.max_tokens_per_request
-            return find_route(views, start, end, banned=banned, tokens=tokens, policy=policy, full_tokens=full)
-        recent = time.monotonic() - config.sticky_route_s
-        prefer = {peer for peer, when in self._last_used.items() if when > recent}
-        return find_route(
-            views,
-            start,
-            end,
-            banned=banned,
-            tokens=tokens,
-            rng=self._rng,
-            tie_tolerance=config.route_tie_tolerance,
-            prefer=prefer,
-            stickiness=config.route_stickiness,
-            policy=policy,
-            full_tokens=config.max_tokens_per_request,
-        )
-
-    def _explore(
-        self, views: list[ServerView], start: int, end: int, tokens: int, banned: set[str], policy: Policy
-    ) -> list[RouteSpan] | None:
-        """Now and then (once per explore_interval_s), a route through a server this client has never measured:
-        its announced speed is only a claim, capped, so without a try a better replica could stay unknown forever.
-        The route is the cheapest one through that server; None when it is not time, or no such route exists."""
-        interval = self.config.explore_interval_s
-        if interval <= 0 or time.monotonic() - self._explored_at < interval:
-            return None
-        health = self.health
-        unknown = [
-            v for v in views
-            if v.peer_id not in banned and not health.has_measured(v.peer_id) and health.answered(v.peer_id)
-            and v.start < end and v.end > start
-        ]  # fmt: skip
-        if not unknown:
-            return None
-        self._explored_at = time.monotonic()
-        pick = self._rng.choice(sorted(unknown, key=lambda v: v.peer_id))
-        lo, hi = max(pick.start, start), min(pick.end, end)
-        # every other server of the picked one's blocks is left out, so the route must go through it
-        others = {v.peer_id for v in views if v.peer_id != pick.peer_id and v.start < hi and v.end > lo}
-        route = self._find(views, start, end, tokens, banned | others, policy)
-        if route is not None:
-            logger.info("Trying server ...%s (never measured) for blocks %d:%d", pick.peer_id[-6:], lo, hi)
-        return route
 
     def ban(self, peer_id: str, reason: object) -> None:
         """Avoid a failed server for a while; each further failure doubles the ban (up to ban_max_s)."""
@@ -332,11 +313,14 @@ class SequenceManager:
         except Exception as e:  # noqa: BLE001 - the ban holds anyway; only other clients miss the report
             logger.warning("Publishing reports of wrong results failed: %s", repr(e))
 
-    def cool_down(self, peer_id: str, reason: object) -> None:
-        """Avoid a busy server briefly; unlike ban() this is no failure of it and never grows."""
-        self.health.cool_down(peer_id, self.config.ban_base_s)
+    def cool_down(self, peer_id: str, reason: object, retry_after_s: float | None = None) -> None:
+        """Avoid a busy server briefly: for the wait it suggested (retry_after_s), at least ban_base_s and at most
+        busy_wait_s; unlike ban() this is no failure of it and never grows."""
+        config = self.config
+        seconds = busy_cool_down_s(retry_after_s, config.ban_base_s, config.busy_wait_s)
+        self.health.cool_down(peer_id, seconds)
         self._last_used.pop(peer_id, None)  # a busy server is not preferred once the cool-down is over
-        logger.info("Server ...%s is busy (%s); avoiding it for %.1f s", peer_id[-6:], reason, self.config.ban_base_s)
+        logger.info("Server ...%s is busy (%s); avoiding it for %.1f s", peer_id[-6:], reason, seconds)
 
     def record_success(self, peer_id: str, round_trip_s: float, work: float = 1.0) -> None:
         """A call to `peer_id` of `work` block-tokens took round_trip_s in total (compute included), by our clock."""

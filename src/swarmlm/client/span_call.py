@@ -40,13 +40,18 @@ def call_work(blocks: int, tensors: Sequence[torch.Tensor]) -> int:
     return blocks * tokens
 
 
-class RerouteError(RemoteCallError):
-    """The server cannot take this request now ("busy", or "timeout": the request stopped arriving there) or at this
-    size ("too_large"); another server may."""
+# what a server's refusal says another server may do: RerouteError's kinds
+RerouteKind = Literal["busy", "too_large", "timeout", "not_served"]
 
-    def __init__(self, message: str, peer_id: str | None, kind: Literal["busy", "too_large", "timeout"]):
+
+class RerouteError(RemoteCallError):
+    """The server cannot take this request now ("busy", or "timeout": the request stopped arriving there), at this
+    size ("too_large"), or at all ("not_served": it does not hold the blocks or adapter named); another server may."""
+
+    def __init__(self, message: str, peer_id: str | None, kind: RerouteKind, retry_after_s: float | None = None):
         super().__init__(message, peer_id)
         self.kind = kind
+        self.retry_after_s = retry_after_s  # a busy server's estimate of when it has room (a claim: bounded by users)
 
 
 class Expected(NamedTuple):
@@ -124,8 +129,8 @@ def check_reply(
         text = f"server refused {method}: {reply.error}"
         if reply.error_kind == "bad_request":
             raise BadRequestError(text, peer_id)
-        if reply.error_kind in ("busy", "too_large", "timeout"):
-            raise RerouteError(text, peer_id, reply.error_kind)
+        if reply.error_kind in ("busy", "too_large", "timeout", "not_served"):
+            raise RerouteError(text, peer_id, reply.error_kind, reply.retry_after_s)
         raise RemoteCallError(text, peer_id)
     return reply, outputs
 

@@ -9,15 +9,20 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from swarmlm.client.health import Health
+from swarmlm.errors import MissingAdapterError
 from swarmlm.protocol.messages import PROTOCOL_VERSION
 from swarmlm.swarm.records import ServerRecord, ServerState
+from swarmlm.swarm.route_choice import lacks_room
 from swarmlm.swarm.routing import DEFAULT_LATENCY_S, ServerView, bounded_priors
 
 logger = logging.getLogger(__name__)
 
+# an error naming the adapters held lists this many servers, and this many adapters of each (records are claims)
+MAX_LISTED_SERVERS = 8
+MAX_LISTED_ADAPTERS = 8
 # load factor per announced open inference session: each interleaves its decode steps with every other request, so
 # ten sessions count as doubling the server's cost (routing bounds the total at MAX_LOAD_FACTOR)
 SESSION_LOAD = 0.1
@@ -29,7 +34,12 @@ QUEUE_LOAD = 1.0
 def announced_load(record: ServerRecord) -> float:
     """The load factor routing adds to a server's cost from its announcement: the expected wait behind its queue
     and its open sessions, as a fraction of the request's own cost there (>= 0; routing bounds it)."""
-    return SESSION_LOAD * record.sessions_open + QUEUE_LOAD * record.queue_depth
+    return load_of(record.sessions_open, record.queue_depth)
+
+
+def load_of(sessions_open: int, queue_depth: float) -> float:
+    """announced_load from the two announced figures (the simulator's servers announce them too)."""
+    return SESSION_LOAD * sessions_open + QUEUE_LOAD * queue_depth
 
 
 @dataclass(frozen=True)
@@ -76,6 +86,23 @@ class ServerFilter:
             return f"it does not serve the adapter {self.adapter!r}"
         return None
 
+    def lacks_adapter(self, peer_id: str, record: ServerRecord) -> bool:
+        """Whether the server would be used but for the adapter it does not hold."""
+        if self.adapter is None or self.adapter in record.adapters:
+            return False
+        return replace(self, adapter=None).rejection(peer_id, record) is None
+
+
+def _covers(records: Iterable[ServerRecord], block: int) -> bool:
+    return any(r.start <= block < r.end for r in records)
+
+
+def _holdings(peer_id: str, record: ServerRecord) -> str:
+    """One server's blocks and adapters, for an error message (records are strangers' claims: the list is cut)."""
+    names = ", ".join(record.adapters[:MAX_LISTED_ADAPTERS]) or "no adapters"
+    more = len(record.adapters) - MAX_LISTED_ADAPTERS
+    return f"...{peer_id[-6:]} (blocks {record.start}:{record.end}): {names}{f' and {more} more' if more > 0 else ''}"
+
 
 class SwarmView:
     """The servers this client may route through, refreshed from the DHT's records."""
@@ -83,20 +110,40 @@ class SwarmView:
     def __init__(self, server_filter: ServerFilter):
         self.filter = server_filter
         self.servers: dict[str, ServerRecord] = {}  # usable online servers by peer id
+        self.without_adapter: dict[str, ServerRecord] = {}  # online servers usable but for the client's adapter
         self._logged: dict[str, str] = {}  # peer -> last rejection reason logged (log each once)
 
     def update(self, records: Mapping[str, ServerRecord]) -> None:
-        usable = {}
+        usable, without_adapter = {}, {}
         for peer_id, record in records.items():
             if record.state != ServerState.ONLINE:
                 continue
             reason = self.filter.rejection(peer_id, record)
             if reason is None:
                 usable[peer_id] = record
+            elif self.filter.lacks_adapter(peer_id, record):
+                without_adapter[peer_id] = record
             elif self._logged.get(peer_id) != reason:
                 self._logged[peer_id] = reason
                 logger.info("Not using server ...%s: %s", peer_id[-6:], reason)
-        self.servers = usable
+        self.servers, self.without_adapter = usable, without_adapter
+
+    def missing_adapter(self, start: int, end: int) -> MissingAdapterError | None:
+        """The error for blocks of [start, end) that servers this client would use hold, but none with its adapter:
+        no wait helps those (a ban or a busy server only delays blocks some server holds the adapter for)."""
+        adapter = self.filter.adapter
+        if adapter is None or not self.without_adapter:
+            return None
+        holding, lacking = self.servers.values(), self.without_adapter.values()
+        blocks = [b for b in range(start, end) if _covers(lacking, b) and not _covers(holding, b)]
+        if not blocks:
+            return None
+        held = sorted((r.start, peer) for peer, r in self.without_adapter.items()
+                      if r.start <= blocks[-1] and r.end > blocks[0])  # fmt: skip
+        lines = [_holdings(peer, self.without_adapter[peer]) for _, peer in held[:MAX_LISTED_SERVERS]]
+        if len(held) > MAX_LISTED_SERVERS:
+            lines.append(f"{len(held) - MAX_LISTED_SERVERS} more servers")
+        return MissingAdapterError(adapter, blocks, lines)
 
     def views(self, health: Health) -> list[ServerView]:
         """Routing views: this client's measurements where it has them, else the announced speed, bounded.
@@ -117,17 +164,22 @@ class SwarmView:
             if not health.has_measured(peer_id) and called:
                 throughput = min(throughput, slowest)
                 latency_s = max(DEFAULT_LATENCY_S if latency_s is None else latency_s, farthest)
-            views.append(ServerView(peer_id, record.start, record.end, throughput, latency_s, announced_load(record)))
+            views.append(ServerView(peer_id, record.start, record.end, throughput, latency_s, announced_load(record),
+                                    record.cache_tokens_left))  # fmt: skip
         return views
 
     def full_for(self, session_tokens: int, start: int, end: int) -> set[str]:
-        """Servers whose announced free cache (in block-tokens) cannot hold a new session of `session_tokens`
-        (batch x max_length) tokens at each block of [start, end) they hold: opening one there would only be refused.
-        A route may use fewer of those blocks, so this errs towards full. Servers announcing no figure are not
-        excluded."""
-        full = set()
-        for peer, record in self.servers.items():
-            blocks = max(0, min(end, record.end) - max(start, record.start))
-            if record.cache_tokens_left is not None and record.cache_tokens_left < session_tokens * blocks:
-                full.add(peer)
-        return full
+        """Servers whose announced free cache cannot hold a new session of `session_tokens` (batch x max_length)
+        tokens at each block of [start, end) they hold (swarm/route_choice.py, lacks_room)."""
+        return {
+            peer
+            for peer, record in self.servers.items()
+            if lacks_room(
+                ServerView(
+                    peer, record.start, record.end, record.throughput, cache_tokens_left=record.cache_tokens_left
+                ),
+                session_tokens,
+                start,
+                end,
+            )
+        }

@@ -172,18 +172,22 @@ class ReplyHeader(_Header):
 
     error_kind "bad_request" means the request itself is invalid (another server would reject it too);
     "server" means this server failed to serve it, "busy" that it has no room now, "too_large" that the request
-    exceeds this server's own limits (another server may accept it), and "timeout" that the request stopped arriving
-    (its next bytes did not come within the server's arrival deadline): the client may retry elsewhere. A peer that
-    does not know a kind reads the reply as malformed, which it treats as that server's failure too.
+    exceeds this server's own limits (another server may accept it), "timeout" that the request stopped arriving
+    (its next bytes did not come within the server's arrival deadline), and "not_served" that the request names
+    blocks or a LoRA adapter this server does not hold (the sender's view of it is out of date): the client may retry
+    elsewhere. A peer that does not know a kind reads the reply as malformed, which it treats as that server's failure
+    too.
     """
 
     ok: bool
     tensors: list[ReplyName] = Field(default_factory=list, strict=False)  # what follows: ReplyTensors.names()
     error: str | None = None
-    error_kind: Literal["bad_request", "server", "busy", "too_large", "timeout"] | None = None
+    error_kind: Literal["bad_request", "server", "busy", "too_large", "timeout", "not_served"] | None = None
     compute_ms: float = 0.0
     int8: bool = False  # its float tensors travel as int8 with per-row scales (as the request's did)
     push_error: str | None = None  # a step with next_hops ran, but pushing it on failed (the client takes over)
+    # with error_kind "busy": the server's estimate of the seconds until it has room (a session of its ends)
+    retry_after_s: float | None = Field(default=None, ge=0, le=86400, allow_inf_nan=False)
 
     @field_validator("tensors")
     @classmethod

@@ -25,6 +25,7 @@ from swarmlm.server.activations import ActivationCache
 from swarmlm.server.joining import JoinableRequest, join, split
 from swarmlm.server.pieces import BlockGraph, SpanCall, Spent, backward_block, forward_block, forward_block_graph
 from swarmlm.server.scheduler import BatchLimits, DecodeStep, Kind, Scheduler
+from swarmlm.server.speed import median_rate
 from swarmlm.server.validation import SpanLimits
 
 logger = logging.getLogger(__name__)
@@ -314,22 +315,22 @@ class SpanBackend:
             result = torch.cat(outputs, dim=1).to("cpu", inputs.hidden.dtype)
         return [result], spent.seconds * 1000
 
-    def measure_throughput(self, tokens: int = 32, repeats: int = 3) -> float:
-        """Tokens per second through one block, measured on random inputs at start-up."""
-        hidden = torch.randn(1, tokens, self.limits.hidden_size)
-        inputs = SpanTensors(hidden)
-        self._run(self.span.start, self.span.end, inputs)  # warm-up: first calls allocate
-        elapsed = min(self._run(self.span.start, self.span.end, inputs)[1] for _ in range(repeats)) / 1000
-        return tokens * (self.span.end - self.span.start) / max(elapsed, 1e-9)
+    def measure_throughput(self, tokens: int = 128) -> float:
+        """Tokens per second through one block (the span's first), in forwards of `tokens` random tokens: the median
+        of warm rounds (server/speed.py)."""
+        inputs = SpanTensors(torch.randn(1, tokens, self.limits.hidden_size))
+        start = self.span.start
+        return median_rate(lambda: self._run(start, start + 1, inputs)[1] / 1000, tokens)
 
-    def measure_inference_throughput(self, past: int = 32, repeats: int = 5) -> float:
-        """One-token decode steps per second through one block with `past` tokens cached, measured at start-up."""
+    def measure_inference_throughput(self, past: int = 32) -> float:
+        """One-token decode steps per second through one block (the span's first) with `past` tokens cached: the
+        median of warm rounds, each step written at the same position (server/speed.py)."""
         cache = GrowingCache()
-        start, end = self.span.start, self.span.end
-        whole(self._step(cache, start, end, SpanTensors(torch.randn(1, past, self.limits.hidden_size)), past, None))
+        start = self.span.start
+        whole(self._step(cache, start, start + 1, SpanTensors(torch.randn(1, past, self.limits.hidden_size)), past,
+                         None))  # fmt: skip
         token = SpanTensors(torch.randn(1, 1, self.limits.hidden_size))
-        elapsed = min(whole(self._step(cache, start, end, token, 1, past))[1] for _ in range(repeats)) / 1000
-        return (end - start) / max(elapsed, 1e-9)
+        return median_rate(lambda: whole(self._step(cache, start, start + 1, token, 1, past))[1] / 1000, 1)
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

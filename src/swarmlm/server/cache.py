@@ -60,6 +60,17 @@ class CacheBudget:
         self.used = 0
         self._waiting: deque[tuple[int, asyncio.Future]] = deque()  # (tokens, granted) in arrival order
 
+    @property
+    def waiting(self) -> bool:
+        """Whether sessions wait in line for room (a new one must not overtake them)."""
+        return bool(self._waiting)
+
+    def take(self, tokens: int) -> None:
+        """Reserve `tokens` at once; the caller checked the room (server/admission.py) and that none waits."""
+        if self._waiting or self.used + tokens > self.capacity:
+            raise ServerBusyError(self._busy(tokens, "did not wait"))
+        self.used += tokens
+
     async def reserve(self, tokens: int, timeout_s: float) -> None:
         """Reserve `tokens` after every earlier request, waiting up to timeout_s (0: not at all) for room to free up.
 

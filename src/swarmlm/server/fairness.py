@@ -2,10 +2,11 @@
 a pure choice over holdings, tested without sockets.
 
 Peer ids are free to make, so shares go to hosts (remote addresses) first and to peers within a host second. A waiting
-peer may only take from someone richer than itself in that pool: a host holding more than its own host, or a peer of
-its own host holding more than itself. Among those, holders idle for a while go first, then those not in use, and
-live ones (a session between two steps of an answer) last; within each, the richest host's, then its richest
-peer's, then the longest idle. A holder that is computing for its peer right now is never taken.
+peer may only take from someone richer than itself in that pool: a host that still holds at least as much as its own
+host once it gave way, or a peer of its own host holding more than itself. Among those, holders idle for a while go
+first, then those not in use, and live ones (a session between two steps of an answer) last; within each, the richest
+host's, then its richest peer's, then the longest idle. A holder that is computing for its peer right now is never
+taken.
 """
 
 from __future__ import annotations
@@ -89,7 +90,10 @@ def pick_victims(
     def richer(h: Holding) -> bool:
         if h.host == asker_host:
             return by_peer[h.peer] > by_peer[asker_peer]
-        return not host_only and by_host[h.host] > by_host[asker_host]
+        # another host gives way only while it stays at least as rich as the asker's host once it has: taking the one
+        # session of a host for a host holding none only swaps who waits (and makes the victim replay elsewhere), which
+        # under overload would evict every admitted chat between its turns
+        return not host_only and by_host[h.host] - amount(h) >= by_host[asker_host] + amount(h)
 
     victims: list[Holding] = []
     while coming < needed:

@@ -21,6 +21,7 @@ from swarmlm.protocol.bundle import ReplyTensors, SpanTensors
 from swarmlm.protocol.codec import drain, encode, read_message
 from swarmlm.protocol.lora import LoraWeights
 from swarmlm.protocol.messages import InferenceOpen, InferenceStep, PushHop, PushStep, ReplyHeader
+from swarmlm.server.admission import SessionLengths, admit_now
 from swarmlm.server.backend import SpanBackend, named_results
 from swarmlm.server.cache import CacheBudget, ServerBusyError
 from swarmlm.server.peers import Holding, LimitError, PeerLedger, refusal, short, where
@@ -103,6 +104,7 @@ class InferenceSessions:
         self.pusher = pusher
         self._pushed: dict[str, _Inbox] = {}  # steps pushed to open sessions, by session id
         self.pushes_received = 0  # pushed steps accepted (stats: they show steps travelled server to server)
+        self.lengths = SessionLengths()  # how long sessions stay open: a busy answer's retry hint
 
     def stop_accepting(self) -> None:
         self.accepting = False
@@ -123,7 +125,10 @@ class InferenceSessions:
         except (ProtocolError, ServerBusyError, TimeoutError) as e:
             text = short(str(e) or "no open message in time")
             PEER_FAULTS.warning(logger, peer, "inference open refused peer=...%s: %s", peer[-6:], text)
-            yield _reply(refusal(e, text))
+            reply = refusal(e, text)
+            if reply.error_kind == "busy":  # when to come back: a full swarm tells its users how long to wait
+                reply = reply.model_copy(update={"retry_after_s": self.lengths.retry_after_s(self.open_sessions)})
+            yield _reply(reply)
             await self._drain(requests)
             return
         if session is None:
@@ -137,6 +142,7 @@ class InferenceSessions:
             Holding(peer, self.ledger.host(peer), inbox.reclaim, loop_time, sessions=1, tokens=tokens)
         )
         held = _HeldLora(self.ledger, peer)
+        opened_at = time.monotonic()
         self.open_sessions += 1
         self.sessions_opened += 1
         logger.debug("inference open blocks=%d:%d batch=%d max_length=%d peer=...%s", session.start_block,
@@ -151,6 +157,7 @@ class InferenceSessions:
             if session.session_id is not None:
                 self._pushed.pop(session.session_id, None)
             self.open_sessions -= 1
+            self.lengths.end(time.monotonic() - opened_at)
             self.budget.release(tokens)
             self.ledger.add_cache(peer, -tokens)
             self.ledger.close_session(peer)
@@ -170,6 +177,14 @@ class InferenceSessions:
         if session.session_id is not None and session.session_id in self._pushed:
             raise ProtocolError("a session with this id is open already: ids are random, choose another")
         tokens = cache_block_tokens(session)
+        # the common case, decided as the simulator decides it (server/admission.py): room now, first in line
+        if (
+            not self.budget.waiting
+            and admit_now(self.ledger, self.budget.used, self.budget.capacity, peer, tokens) is None
+        ):
+            self.budget.take(tokens)
+            self.ledger.add_cache(peer, tokens)
+            return session
         # a full pool (this peer's host's share, or the server's) closes richer holders' idle sessions, then waits
         await self.ledger.admit_session(peer, self.alloc_timeout_s)
         try:

@@ -8,6 +8,7 @@ import logging
 import signal
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 
 import hivemind
 import torch
@@ -21,7 +22,7 @@ from swarmlm.errors import SwarmError
 from swarmlm.models.adapters import adapter_name, load_adapters
 from swarmlm.models.fingerprint import model_fingerprint
 from swarmlm.models.hub import evict
-from swarmlm.models.loading import checkpoint_dtype, load_config, resolve_model, weight_files_for
+from swarmlm.models.loading import checkpoint_dtype, default_cache_dir, load_config, resolve_model, weight_files_for
 from swarmlm.models.naming import model_name
 from swarmlm.models.quant import QUANT_MODES, bnb_functional, module_bytes, quantize
 from swarmlm.models.registry import get_family
@@ -29,7 +30,7 @@ from swarmlm.models.span import SpanModel
 from swarmlm.net import transport
 from swarmlm.net.transport import Gate, StreamLimits
 from swarmlm.protocol.messages import ServerInfo
-from swarmlm.server import activity, lifecycle
+from swarmlm.server import activity, lifecycle, speed
 from swarmlm.server.activations import ActivationCache
 from swarmlm.server.backend import SpanBackend
 from swarmlm.server.cache import CacheBudget, default_cache_tokens
@@ -129,6 +130,7 @@ class Server:
         # at every block of the span; a session reserves its tokens at each block it uses, no more
         self.cache_block_tokens = cache_tokens * (self.end - self.start)
         self.throughput, self.inference_throughput = 1.0, 1.0  # until measured on the loaded span
+        self.speed: speed.Speed | None = None  # how those were found (server/speed.py), once the span is loaded
         self.backend: SpanBackend | None = None
         self.dht: hivemind.DHT | None = None
         self.peer_id, self.addrs = "", list[str]()
@@ -181,9 +183,21 @@ class Server:
         limits = BatchLimits(decode_wait_s=cfg.decode_wait_s, stages=stages, later_stages=later)
         activations = ActivationCache(self.activation_cache_bytes, host_share=cfg.host_share)
         backend = SpanBackend(span, self.dtype, cfg.device, cfg.max_tokens_per_request, limits, activations)
-        self.throughput = backend.measure_throughput()
-        self.inference_throughput = backend.measure_inference_throughput()
+        self.speed = self._speed_of(backend)
+        self.throughput, self.inference_throughput = self.speed.forward, self.speed.inference
         self.backend, self.start, self.end = backend, start, end
+
+    def _speed_of(self, backend: SpanBackend) -> speed.Speed:
+        """The speed to announce: the one this machine measured before for this model and dtype, else measured now
+        on the loaded blocks (and kept in the cache folder for restarts, moves and neighbours)."""
+        folder = Path(self.config.cache_dir) if self.config.cache_dir else default_cache_dir()
+        key = speed.speed_key(self.fingerprint, self.announced_dtype, self.config.device)
+
+        def measure() -> tuple[float, float]:
+            logger.info("Measuring this server's speed (kept for later starts in %s)", folder)
+            return backend.measure_throughput(), backend.measure_inference_throughput()
+
+        return speed.known_speed(folder, key, measure, remeasure=self.config.throughput == "eval")
 
     def _keep_disk_budget(self, start: int, end: int) -> None:
         """Evict the cached shards of a Hub model that blocks start:end do not need, least recently used first, down
@@ -202,6 +216,7 @@ class Server:
             start=self.start,
             end=self.end,
             throughput=self.throughput,
+            throughput_source=speed.describe(self.speed),
             dtype=self.announced_dtype,
             addrs=tuple(self.addrs),
             fingerprint=self.fingerprint,
@@ -362,7 +377,7 @@ class Server:
     def _print_serving(self) -> None:
         print(
             f"Serving blocks {self.start}:{self.end} of {self.config.model} as swarm {self.dht_prefix!r}, "
-            f"{self.throughput:.0f} tokens/s per block",
+            f"{self.throughput:.0f} tokens/s per block ({speed.describe(self.speed)})",
             flush=True,
         )
 

@@ -65,16 +65,23 @@ class SpanLimits:
     linear_shapes: tuple[Mapping[str, tuple[int, int]], ...] = ()
 
 
+# refusals of requests for what this server does not hold: the sender read an old or false announcement of it, and
+# another server may hold it (the client re-reads the swarm and re-routes at once, instead of calling it a bad request)
+NOT_SERVED = "not_served"
+
+
 def check_adapter(adapter: str | None, limits: SpanLimits) -> None:
     if adapter is not None and adapter not in limits.adapters:
         served = ", ".join(limits.adapters) or "none"
-        raise ProtocolError(f"adapter {adapter!r} is not served here (adapters served: {served})")
+        raise LimitError(f"adapter {adapter!r} is not served here (adapters served: {served})", NOT_SERVED)
 
 
 def check_blocks(start: int, end: int, limits: SpanLimits) -> None:
+    if start >= end:  # names no block: malformed wherever it is sent
+        raise ProtocolError(f"blocks {start}:{end} are not served here: an empty range")
     if not limits.start <= start < end <= limits.end:
-        raise ProtocolError(
-            f"blocks {start}:{end} are not served here: this server serves {limits.start}:{limits.end}"
+        raise LimitError(
+            f"blocks {start}:{end} are not served here: this server serves {limits.start}:{limits.end}", NOT_SERVED
         )
 
 

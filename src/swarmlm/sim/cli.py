@@ -71,6 +71,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sim.add_argument("--step-tokens", type=integer(POSITIVE_INT), default=16,
                      help="tokens simulated as one event (latency stays per token; default: 16)")  # fmt: skip
 
+    sim.add_argument("--sweep", action="store_true",
+                     help="also run the load sweep (servers x users, --sweep-hours each, this project's and Petals' "
+                     "rules) into sweep.md, sweep.json and sweep.png")  # fmt: skip
+    sim.add_argument("--sweep-hours", type=number(POSITIVE), default=1.0,
+                     help="simulated hours of each cell of the sweep (default: 1)")  # fmt: skip
+
 
 def scenario_of(args: argparse.Namespace) -> Scenario:
     return Scenario(servers=args.servers, clients=args.clients, hours=args.hours, seed=args.seed,
@@ -150,6 +156,13 @@ def run(args: argparse.Namespace) -> None:
     (out / "report.md").write_text(markdown(data))
     plots.draw_all(base, runs, out)
     print(markdown(data))
+    if args.sweep:
+        from swarmlm.sim import sweep
+
+        sweep_base = dataclasses.replace(base, hours=args.sweep_hours, outage_hour=None)
+        cells = sweep.run_sweep(sweep_base, sweep.SWEEP_SERVERS, sweep.SWEEP_USERS, sweep.SWEEP_RULES,
+                                args.jobs or os.cpu_count() or 1)  # fmt: skip
+        print(sweep.write(cells, args.sweep_hours, out))
     workers = "" if jobs == 1 else f" in this process; the runs took more in {jobs} worker processes"
     print(f"Wrote {out}/report.json, report.md and plots in {time.monotonic() - began:.0f} s "
           f"({time.process_time() - cpu:.0f} s of CPU{workers})")  # fmt: skip

@@ -22,7 +22,7 @@ def throughput(runs: dict[str, Metrics], path: Path) -> None:
     for name, m in runs.items():
         hours = [s.t / 3600 for s in m.samples]
         line = ax.plot(hours, [s.tokens_per_s for s in m.samples], label=f"{name}: decode rate")[0]
-        bound = [min(s.bound_block, s.bound_total) for s in m.samples]
+        bound = [s.bound for s in m.samples]
         ax.plot(hours, bound, linestyle="--", color=line.get_color(), label=f"{name}: bound")
     ax.set_yscale("log")
     ax.set_xlabel("hour")
@@ -79,3 +79,26 @@ def draw_all(scenario: Scenario, runs: dict[str, Metrics], out: Path) -> list[Pa
         paths.append(out / f"coverage_{name}.png")
         coverage(m, name, paths[-1])
     return paths
+
+
+def sweep(cells: list[dict], path: Path) -> None:
+    """Heat maps of the load sweep: rate / bound and the share of users refused, servers x users, per rule."""
+    rules = list(dict.fromkeys(c["rule"] for c in cells))
+    servers = sorted({c["servers"] for c in cells})
+    users = sorted({c["users"] for c in cells})
+    fig, axes = plt.subplots(len(rules), 2, figsize=(10, 4 * len(rules)), squeeze=False)
+    for row, rule in enumerate(rules):
+        by = {(c["servers"], c["users"]): c for c in cells if c["rule"] == rule}
+        for col, (key, title) in enumerate((("rate_over_bound", "rate / bound"), ("refused_share", "users refused"))):
+            grid = np.array([[by[(s, u)][key] for u in users] for s in servers], dtype=float)
+            ax = axes[row][col]
+            image = ax.imshow(grid, origin="lower", cmap="viridis", vmin=0, vmax=1, aspect="auto")
+            ax.set_xticks(range(len(users)), [str(u) for u in users])
+            ax.set_yticks(range(len(servers)), [str(s) for s in servers])
+            for (i, j), value in np.ndenumerate(grid):
+                ax.text(j, i, f"{value:.2f}", ha="center", va="center", color="w", fontsize=8)
+            ax.set_xlabel("users")
+            ax.set_ylabel("servers")
+            ax.set_title(f"{rule}: {title}")
+            fig.colorbar(image, ax=ax)
+    _save(fig, path)

@@ -62,7 +62,7 @@ def summarize(scenario: sc.Scenario, metrics: Metrics) -> dict[str, Any]:
     hours = scenario.hours
     samples = metrics.samples
     rate = [s.tokens_per_s for s in samples]
-    bound = [min(s.bound_block, s.bound_total) for s in samples]
+    bound = [s.bound for s in samples]
     outage = None
     if metrics.outage_t is not None:
         back = None if metrics.recovered_t is None else _round(metrics.recovered_t - metrics.outage_t)
@@ -74,6 +74,10 @@ def summarize(scenario: sc.Scenario, metrics: Metrics) -> dict[str, Any]:
             "mean_tokens_per_s": _round(float(np.mean(rate))) if rate else 0.0,
             "peak_tokens_per_s": _round(max(rate, default=0.0)),
             "mean_bound_tokens_per_s": _round(float(np.mean(bound))) if bound else 0.0,
+            "rate_over_bound": _round(float(np.mean(rate)) / float(np.mean(bound)))
+            if rate and np.mean(bound)
+            else 0.0,
+            "rate_over_bound_by_quarter": quarters(rate, bound),
             "tokens_generated": metrics.tokens_total,
         },
         "latency": _latency(scenario, metrics),
@@ -89,6 +93,11 @@ def summarize(scenario: sc.Scenario, metrics: Metrics) -> dict[str, Any]:
         "sessions": {
             "chats_started": metrics.chats_started,
             "chats_finished": metrics.chats_done,
+            "chats_admitted": metrics.chats_admitted,
+            "admitted_chats_finished_share": finished_share(metrics),
+            "users_refused_busy": metrics.refused,
+            "busy_answers": metrics.busy_answers,
+            "failed_for_lack_of_room": metrics.failed_busy,
             "failed_while_all_blocks_served": metrics.failed_covered,
             "failed_while_a_block_was_missing": metrics.failed_uncovered,
             "spans_rebuilt": metrics.recoveries,
@@ -98,12 +107,29 @@ def summarize(scenario: sc.Scenario, metrics: Metrics) -> dict[str, Any]:
     }
 
 
+def quarters(rate: list[float], bound: list[float]) -> list[float]:
+    """Mean rate over mean bound in each quarter of the run: a swarm that decays under load shows falling figures."""
+    n = len(rate)
+    out = []
+    for q in range(4):
+        part = slice(q * n // 4, (q + 1) * n // 4)
+        mean_bound = float(np.mean(bound[part])) if bound[part] else 0.0
+        out.append(_round(float(np.mean(rate[part])) / mean_bound) if mean_bound else 0.0)
+    return out
+
+
+def finished_share(metrics: Metrics) -> float:
+    """Of the admitted chats that ended (finished or failed) before the run did, the share that finished."""
+    ended = metrics.chats_done + metrics.admitted_failed
+    return _round(metrics.chats_done / ended) if ended else 1.0
+
+
 def series(metrics: Metrics) -> dict[str, list[float]]:
     samples = metrics.samples
     return {
         "hour": [_round(s.t / 3600) for s in samples],
         "tokens_per_s": [_round(s.tokens_per_s) for s in samples],
-        "bound_tokens_per_s": [_round(min(s.bound_block, s.bound_total)) for s in samples],
+        "bound_tokens_per_s": [_round(s.bound) for s in samples],
         "serving_servers": [s.serving for s in samples],
         "open_chats": [s.generating for s in samples],
     }
@@ -117,8 +143,9 @@ def report(scenario: sc.Scenario, runs: dict[str, Metrics]) -> dict[str, Any]:
     del setup["placement"]
     return {
         "scenario": setup,
-        "bound": "min(weakest block's total decode capacity, total capacity / blocks), servers at batch "
-        f"{sc.MAX_BATCH}",
+        "bound": "min(weakest block's decode capacity, total capacity / blocks, sessions every block's caches hold at "
+        "once / fastest per-token time), each server at the batch its cache holds (at most "
+        f"{sc.MAX_BATCH})",
         "runs": {
             name: {**summarize(dataclasses.replace(scenario, placement=name), m), "series": series(m)}
             for name, m in runs.items()
@@ -133,6 +160,8 @@ def dumps(data: dict[str, Any]) -> str:
 ROWS = (
     ("mean decode rate, tokens/s", ("throughput", "mean_tokens_per_s")),
     ("mean decode bound, tokens/s", ("throughput", "mean_bound_tokens_per_s")),
+    ("rate / bound", ("throughput", "rate_over_bound")),
+    ("rate / bound by quarter of the run", ("throughput", "rate_over_bound_by_quarter")),
     ("per-token latency p50 / p95 / p99, s", ("latency", "per_token_s")),
     ("farthest region's p50 / p95 / p99, s", ("latency", "farthest_region_per_token_s")),
     ("time with every block served", ("coverage", "fraction_of_time_all_blocks_served")),
@@ -142,13 +171,21 @@ ROWS = (
     ("sessions failed while every block was served", ("sessions", "failed_while_all_blocks_served")),
     ("sessions failed during a gap", ("sessions", "failed_while_a_block_was_missing")),
     ("spans rebuilt after failures", ("sessions", "spans_rebuilt")),
+    ("chats started / admitted / finished", ("sessions", ("chats_started", "chats_admitted", "chats_finished"))),
+    ("admitted chats finished (of those ended)", ("sessions", "admitted_chats_finished_share")),
+    ("users refused as busy", ("sessions", "users_refused_busy")),
+    ("admitted sessions failed for lack of room", ("sessions", "failed_for_lack_of_room")),
 )
 
 
-def _cell(run: dict[str, Any], path: tuple[str, ...]) -> str:
+def _cell(run: dict[str, Any], path: tuple[Any, ...]) -> str:
     value: Any = run
     for key in path:
+        if isinstance(key, tuple):  # several figures of one section, shown together
+            return " / ".join(str(value.get(k)) for k in key)
         value = None if value is None else value.get(key)
+    if isinstance(value, list):
+        return " / ".join(f"{v:.3g}" for v in value)
     if isinstance(value, dict):
         return " / ".join(f"{v:.3g}" for v in value.values())
     if isinstance(value, float):

@@ -26,6 +26,11 @@ COMPUTE_EFFICIENCY = 0.4
 BATCH_SLOPE = 0.13
 # the most sessions one server batches in a step (the decode bound counts every server at this batch)
 MAX_BATCH = 64
+# KV cache a server keeps per block it holds, in tokens (--cache-tokens): Petals' default for models with grouped KV
+# heads (attn_cache_tokens = 16384; 4 KB a token a block for a 70B Llama, ~64 MB a block): ~8 chats of 2k tokens
+CACHE_TOKENS_PER_BLOCK = 16384
+# inference sessions a server holds open at most (ServerConfig.max_sessions' default)
+MAX_SESSIONS = 256
 # client-side cost of a generated token: final norm, LM head and sampling (docs/benchmarks.md: ~5 ms)
 CLIENT_TOKEN_S = 0.005
 
@@ -90,6 +95,8 @@ class Scenario:
     hop_s: float = DEFAULT_HOP_COST_S  # (de)serializing and dispatching a hop, on top of its round trip
     client_token_s: float = CLIENT_TOKEN_S  # the client's own cost per generated token
     batch_slope: float = BATCH_SLOPE  # see batched_step_s
+    cache_tokens: int = CACHE_TOKENS_PER_BLOCK  # ServerConfig.cache_tokens: KV-cache tokens per block a server holds
+    max_sessions: int = MAX_SESSIONS  # ServerConfig.max_sessions: inference sessions a server holds open at most
 
     def __post_init__(self) -> None:
         if self.servers < 1 or self.clients < 0 or not self.hours > 0 or self.num_blocks < 1:
@@ -157,6 +164,11 @@ class Chat:
     """One user's conversation: turns of (prompt tokens, answer tokens, think seconds before the next turn)."""
 
     turns: tuple[tuple[int, int, float], ...]
+
+    @property
+    def max_length(self) -> int:
+        """The tokens its session reserves in the servers' caches: the whole conversation (at most MAX_CONTEXT)."""
+        return min(MAX_CONTEXT, sum(prompt + answer for prompt, answer, _ in self.turns))
 
 
 # token lengths of chat turns: lognormal shapes with medians near those of ShareGPT conversations (the traces vLLM's

@@ -37,13 +37,15 @@ class Simulation:
                 chat = ChatSession(client, sc.draw_chat(rng), self.world, self.router, self.metrics)
                 self.chats.append(chat)
                 self.engine.at(arrival, chat.begin)
+        if self.chats:  # the bound counts the sessions a cache holds at the chats' mean size
+            self.world.mean_session_tokens = sum(c.chat.max_length for c in self.chats) / len(self.chats)
 
     def _sample(self) -> None:
         m, period = self.metrics, self.scenario.sample_s
-        block, total = self.world.decode_bound()
+        block, total, slots = self.world.decode_bound()
         open_chats = sum(1 for chat in self.chats if chat.hops)
         serving = sum(1 for s in self.world.servers if s.serving)
-        m.samples.append(Sample(self.engine.now, m.tokens / period, block, total, serving, open_chats,
+        m.samples.append(Sample(self.engine.now, m.tokens / period, block, total, slots, serving, open_chats,
                                 list(self.world.cover)))  # fmt: skip
         m.tokens = 0
         self.engine.after(period, self._sample)

@@ -18,9 +18,16 @@ class ChatSession(Session):
         self.chat, self.turn, self.remaining = chat, 0, 0
         self.step_tokens = world.scenario.step_tokens
 
+    def session_tokens(self) -> int:
+        return self.chat.max_length
+
     def begin(self) -> None:
         self.metrics.chats_started += 1
+        self.client.explored_at = self.engine.now  # a client explores once it has run for explore_interval_s
         self.open("prefill")
+
+    def admitted(self) -> None:
+        self.metrics.chats_admitted += 1
 
     def prefill(self) -> None:
         if not self.check("prefill"):
@@ -50,6 +57,7 @@ class ChatSession(Session):
         for hop in self.hops:
             if not hop.lost:
                 hop.server.generating = max(0, hop.server.generating - 1)
+                self.client.measured.add(hop.server.sid)
         self.metrics.generated(tokens, per_token, self.client.region)
         self.history += tokens
         self.remaining -= tokens

@@ -3,10 +3,14 @@ moving and crashing, and which blocks are covered."""
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 
 from swarmlm.config import ServerConfig
+from swarmlm.server.admission import SessionLengths, admit_now
+from swarmlm.server.peers import LimitError, PeerLedger, PeerLimits
+from swarmlm.server.scheduling import LONG_TURNS, BatchLimits
 from swarmlm.sim import scenario as sc
 from swarmlm.sim.engine import Engine, Event
 from swarmlm.sim.metrics import Metrics
@@ -14,6 +18,12 @@ from swarmlm.sim.rules import Rule, make_rule, totals_of
 from swarmlm.swarm.records import ServerRecord, ServerState
 
 SERVER_DEFAULTS = ServerConfig(model="sim")
+# sessions the real scheduler runs in one batched decode step (server/scheduling.py): more wait for the next batch;
+# and the quanta of long work (training passes) it runs between two decode batches, of QUANTUM_TOKENS each
+DECODE_BATCH = BatchLimits().max_sessions
+QUANTUM_TOKENS = BatchLimits().quantum_tokens
+# bytes a simulated peer may have buffered (requests are not simulated byte by byte: never the limit)
+PEER_BYTES = 1 << 30
 # loading a span: start-up plus reading each block's weights from local disk (~1 GB/s), plus up to this much
 # jitter (claims, downloads)
 LOAD_BASE_S, LOAD_PER_GB_S, LOAD_JITTER_S = 20.0, 1.0, 10.0
@@ -39,14 +49,57 @@ class Server:
     life: int = 0  # bumped at each join: a departure drawn for an earlier session of the server is void
     generating: int = 0  # sessions running a decode step on it now
     training: int = 0  # training requests it computes now
-    holders: dict[int, None] = field(default_factory=dict)  # sessions with a cache on it (ordered, deterministic)
+    # sessions with a cache on it: key -> (cache block-tokens, when opened) (ordered, deterministic)
+    holders: dict[int, tuple[int, float]] = field(default_factory=dict)
     check: Event | None = None  # its next rebalance check
+    limits: PeerLimits | None = None  # the real server's session and cache limits (server/peers.py)
+    ledger: PeerLedger | None = None  # what each peer holds, as the real server counts it
+    cache_capacity: int = 0  # KV-cache budget, block-tokens (cache_tokens x blocks held, as the server sets it)
+    cache_used: int = 0
+    lengths: SessionLengths = field(default_factory=SessionLengths)  # its sessions' lengths: the busy retry hint
+
+    def batches(self) -> int:
+        """Batched decode steps a round of its generating sessions takes (the scheduler's batch size caps each)."""
+        return max(1, -(-self.generating // DECODE_BATCH))
 
     def step_s(self, blocks: int) -> float:
-        """A decode step of `blocks` of its blocks at its present batch (training time-shares the device)."""
-        return (
-            blocks * sc.batched_step_s(self.single_s, max(1, self.generating), self.batch_slope) * (1 + self.training)
-        )
+        """A decode step of `blocks` of its blocks at its present batch. With training work queued, the real
+        scheduler runs LONG_TURNS quanta of it (QUANTUM_TOKENS at one block each) before each decode batch."""
+        batch = min(max(1, self.generating), DECODE_BATCH)
+        step = sc.batched_step_s(self.single_s, batch, self.batch_slope)
+        long_work = LONG_TURNS * QUANTUM_TOKENS / self.throughput if self.training else 0.0
+        return (blocks * step + long_work) * self.batches()
+
+    def reset_sessions(self, limits: PeerLimits) -> None:
+        """No session holds anything (it started, crashed, or closed them all)."""
+        self.holders.clear()
+        self.limits, self.ledger, self.cache_used = limits, PeerLedger(limits), 0
+
+    def admit(self, key: int, peer: str, tokens: int, now: float) -> LimitError | None:
+        """Open a session of `peer` reserving `tokens` cache block-tokens, as the real server decides
+        (server/admission.py); the refusal when it has no room."""
+        if self.ledger is None:
+            raise RuntimeError("a server takes sessions only once it serves")
+        refused = admit_now(self.ledger, self.cache_used, self.cache_capacity, peer, tokens)
+        if refused is None:
+            self.ledger.add_cache(peer, tokens)
+            self.cache_used += tokens
+            self.holders[key] = (tokens, now)
+        return refused
+
+    def release(self, key: int, peer: str, now: float) -> None:
+        """A session closes: its slot and cache come back."""
+        held = self.holders.pop(key, None)
+        if held is None or self.ledger is None:
+            return
+        tokens, opened = held
+        self.ledger.add_cache(peer, -tokens)
+        self.ledger.close_session(peer)
+        self.cache_used -= tokens
+        self.lengths.end(now - opened)
+
+    def retry_after_s(self) -> float:
+        return self.lengths.retry_after_s(len(self.holders))
 
 
 class World:
@@ -61,7 +114,10 @@ class World:
         self._totals: tuple[int, list[float]] = (-1, [])
         self.cover = [0] * self.B  # serving servers per block
         self.uncovered = self.B
+        self.limits = PeerLimits(PEER_BYTES, SERVER_DEFAULTS.max_sessions_per_peer, scenario.max_sessions,
+                                 SERVER_DEFAULTS.peer_cache_share, host_share=SERVER_DEFAULTS.host_share)  # fmt: skip
         self.servers = [self._new_server(i) for i in range(scenario.servers)]
+        self.mean_session_tokens = float(sc.MAX_CONTEXT // 2)  # of the chats to come (the bound's session size)
         self.by_id = {s.sid: s for s in self.servers}
 
     def _new_server(self, i: int) -> Server:
@@ -122,6 +178,8 @@ class World:
         server.alive = True
         server.life += 1
         server.start, server.end = span or self.rule.join(self.B, server.n, self.records, server.sid)
+        server.cache_capacity = self.scenario.cache_tokens * (server.end - server.start)
+        server.reset_sessions(self.limits)
         self._announce(server, ServerState.JOINING)
         self.engine.after(self._load_s(server), self._online, server)
         uptime = sc.lognormal_s(self.rng, self.scenario.uptime_median_h, sc.UPTIME_SIGMA)
@@ -178,7 +236,7 @@ class World:
 
     def _lose_sessions(self, server: Server) -> int:
         lost = len(server.holders)
-        server.holders.clear()
+        server.reset_sessions(self.limits)
         server.epoch += 1
         server.generating = server.training = 0
         return lost
@@ -206,6 +264,7 @@ class World:
             return
         self.metrics.interrupted_by_moves += lost
         server.start, server.end = then
+        server.cache_capacity = self.scenario.cache_tokens * (server.end - server.start)
         self._announce(server, ServerState.JOINING)
         self.engine.after(self._load_s(server), self._online, server)
 
@@ -219,15 +278,27 @@ class World:
 
     # views for the bound
 
-    def decode_bound(self) -> tuple[float, float]:
-        """Upper bounds on the swarm's decode rate (tokens/s) from the serving servers' capacity at MAX_BATCH:
-        (the weakest block's total capacity, the total capacity over the number of blocks)."""
+    def decode_bound(self) -> tuple[float, float, float]:
+        """Upper bounds on the swarm's decode rate (tokens/s) from the serving servers' capacity, each at the batch
+        its limits allow (sessions of the mean size its cache holds, at most MAX_BATCH): (the weakest block's total
+        capacity, the total capacity over the number of blocks, the sessions every block can hold at once over the
+        fastest per-token time a route could have)."""
         per_block = [0.0] * self.B
+        slots = [0] * self.B
+        fastest = [math.inf] * self.B  # the quickest step at each block, at its server's batch
         total = 0.0
         for s in self.servers:
-            if s.serving:
-                cap = sc.decode_capacity(s.single_s, s.batch_slope)
-                total += cap
-                for b in range(s.start, s.end):
-                    per_block[b] += cap
-        return min(per_block), total / self.B
+            if not s.serving:
+                continue
+            held = min(self.scenario.max_sessions, int(self.scenario.cache_tokens // self.mean_session_tokens))
+            batch = max(1, min(held, sc.MAX_BATCH))
+            step = sc.batched_step_s(s.single_s, min(batch, DECODE_BATCH), s.batch_slope) * -(-batch // DECODE_BATCH)
+            cap = batch / step  # block-tokens/s over its span: each of its blocks gets its share
+            total += cap
+            for b in range(s.start, s.end):
+                per_block[b] += cap / (s.end - s.start)
+                slots[b] += held
+                fastest[b] = min(fastest[b], step)
+        one_hop = self.scenario.hop_s + min(min(row) for row in self.scenario.rtt_ms) / 1000
+        token_s = self.scenario.client_token_s + one_hop + sum(fastest)
+        return min(per_block), total / self.B, min(slots) / token_s

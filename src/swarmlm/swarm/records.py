@@ -20,6 +20,8 @@ logger = logging.getLogger(__name__)
 MAX_ADAPTERS = 256
 # no model has anywhere near this many blocks (the largest open ones have ~130): a span ending beyond it is a lie
 MAX_BLOCKS = 1 << 16
+# a record's description of how its throughput was found is cut at this length (records are strangers' claims)
+MAX_SOURCE_CHARS = 120
 AdapterName = Annotated[str, StringConstraints(pattern=ADAPTER_NAME_PATTERN)]
 
 
@@ -41,6 +43,8 @@ class ServerRecord(BaseModel):
     start: int = Field(ge=0)  # first block served
     end: int = Field(ge=1, le=MAX_BLOCKS)  # one past the last block served
     throughput: float = Field(gt=0)  # tokens/s through one block, as the server measured itself (a claim)
+    # how the server found that figure, for operators (measured now, or kept from an earlier measurement here)
+    throughput_source: str = ""
     dtype: str  # compute dtype of the server's blocks
     protocol_version: int = PROTOCOL_VERSION
     addrs: tuple[str, ...] = ()  # multiaddrs the server listens on
@@ -54,6 +58,12 @@ class ServerRecord(BaseModel):
     queue_depth: float = Field(default=0.0, ge=0)  # compute turns a new request waits for, averaged (0: idle/unknown)
     since: float = Field(default=0.0, ge=0)  # DHT time the server claimed this span (placement's tie-break)
     adapters: tuple[AdapterName, ...] = Field(default=(), max_length=MAX_ADAPTERS)  # LoRA adapters requests may name
+
+    @field_validator("throughput_source")
+    @classmethod
+    def _cut_source(cls, source: str) -> str:
+        # a longer description is cut, not refused: the record's figures stay usable
+        return source[:MAX_SOURCE_CHARS]
 
     @field_validator("addrs")
     @classmethod

@@ -44,6 +44,7 @@ class ServerView:
     throughput: float  # measured tokens/s the server computes per block (higher = faster); > 0
     latency_s: float | None = None  # measured round trip to this server from this client, if known
     load: float = 0.0  # expected extra wait as a fraction of its cost (0: idle); clamped to [0, MAX_LOAD_FACTOR]
+    cache_tokens_left: int | None = None  # announced free KV cache in block-tokens (None: not announced)
 
 
 @dataclass(frozen=True)
