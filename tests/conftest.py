@@ -62,6 +62,18 @@ def load_reference(model_dir: Path) -> torch.nn.Module:
 
 
 @contextmanager
+def one_thread() -> Iterator[None]:
+    """torch on one thread in this process for a while (a local reference model beside a swarm's servers): on a loaded
+    machine two threads waiting on each other at every operation made a small model ten times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@contextmanager
 def running_swarm(model: str | Path, spans: Sequence[tuple[int, int]], **kwargs: object) -> Iterator[LocalSwarm]:
     """Servers for `spans` on 127.0.0.1 (one compute thread each: the machine has two cores)."""
     swarm = LocalSwarm(str(model), threads_per_server=1, **kwargs)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import socket
 import threading
@@ -20,13 +21,14 @@ import psutil
 import pytest
 import torch
 from transformers import AutoTokenizer
+from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from swarmlm.api.engine import Engine, SamplingParams
 from swarmlm.api.service import MONITOR_LINE, READY_LINE
 from swarmlm.cli.main import API_KEY_ENV
 from swarmlm.models.loading import load_tokenizer
 from swarmlm.tools.local_swarm import LocalSwarm
-from tests.conftest import connected_model, load_reference, running_swarm
+from tests.conftest import connected_model, load_reference, one_thread, running_swarm
 from tests.integration.http_process import http_process, http_server
 
 NAME = "smollm2-135m-instruct"
@@ -276,7 +278,7 @@ BAD_REQUESTS = [
     (json.dumps({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}).encode(), 400,
      "max_tokens"),
     (json.dumps({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "n": 0}).encode(), 400, "n"),
-    (json.dumps({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "stop": list("abcde")}).encode(),
+    (json.dumps({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "stop": ["x"] * 65}).encode(),
      400, "stop"),
     (json.dumps({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 9000}).encode(), 400,
      "messages"),
@@ -365,10 +367,11 @@ def test_chat_logprobs_equal_the_local_models_streamed_or_not(
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
                                            return_dict=True)["input_ids"]  # fmt: skip
     tokens, local = local_logprobs(reference, list(prompt), NEW_TOKENS)
-    tokens = [token for token in tokens if token != tokenizer.eos_token_id]  # the end of the answer has no entry
+    assert tokens[-1] == tokenizer.eos_token_id  # the answer ends within NEW_TOKENS: its end has an entry too
     reply = ask(client, question, logprobs=True, top_logprobs=5)
     content = reply.choices[0].logprobs.content
-    assert b"".join(bytes(entry.bytes) for entry in content).decode() == reply.choices[0].message.content
+    assert b"".join(bytes(entry.bytes) for entry in content[:-1]).decode() == reply.choices[0].message.content
+    assert content[-1].token == tokenizer.eos_token
     assert [entry.token for entry in content] == [bytes(entry.bytes).decode() for entry in content]
     tops = [[(top.token, top.logprob) for top in entry.top_logprobs] for entry in content]
     check_against([entry.logprob for entry in content], tops, tokens, local, 5)
@@ -401,10 +404,11 @@ def test_completion_logprobs_equal_the_local_models_streamed_or_not(
 
 
 UNSUPPORTED = [
-    ("chat", {"frequency_penalty": 0.5}, "frequency_penalty"),
-    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {"modalities": ["text", "audio"]}, "modalities"),
+    ("chat", {"prediction": {"type": "content", "content": "Paris"}}, "prediction"),  # json_object: test_api_tools
     ("chat", {"top_logprobs": 3}, "top_logprobs"),  # without logprobs=True
-    ("chat", {"extra_body": {"top_k": 5}}, "top_k"),  # no OpenAI field at all
+    ("chat", {"extra_body": {"top_a": 5}}, "top_a"),  # no field of OpenAI's nor of vLLM's
+    ("chat", {"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),  # vLLM's, out of its range
     ("completions", {"suffix": "world"}, "suffix"),
     ("completions", {"logprobs": 6}, "logprobs"),  # OpenAI's limit is 5
 ]
@@ -573,3 +577,163 @@ def test_an_api_key_guards_the_api_while_health_metrics_and_monitor_stay_open(
     assert samples["swarmlm_request_duration_seconds_count"] == "1"
     assert samples["swarmlm_requests_running"] == "0"
     assert "# TYPE swarmlm_time_per_output_token_seconds histogram" in metrics
+
+
+# the servers' line for each inference step they run (server/inference.py, logged with --log-requests)
+STEP_LINE = re.compile(r"inference step blocks=(\d+):(\d+) tokens=(\d+) past=(\d+)")
+
+
+def step_lines(swarm: LocalSwarm) -> list[list[tuple[int, ...]]]:
+    """Per server, the inference steps in its log so far: (start, end, tokens, past)."""
+    return [[tuple(map(int, m)) for m in STEP_LINE.findall(s.log_path.read_text(errors="replace"))]
+            for s in swarm.servers]  # fmt: skip
+
+
+def new_steps(swarm: LocalSwarm, before: list[list[tuple[int, ...]]], count: int) -> list[list[tuple[int, ...]]]:
+    """The steps each server logged since `before`, once each has `count` of them (logs arrive a little late)."""
+    deadline = time.monotonic() + 10
+    while True:
+        steps = [now[len(old) :] for now, old in zip(step_lines(swarm), before, strict=True)]
+        if all(len(server) >= count for server in steps) or time.monotonic() > deadline:
+            return steps
+        time.sleep(0.1)
+
+
+def prompt_logprobs(reference: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """The local model's log-softmax over the prompt: row i predicts token i + 1, (tokens - 1, vocab)."""
+    with torch.inference_mode():
+        return torch.log_softmax(reference(torch.tensor([ids])).logits[0, :-1].float(), dim=-1)
+
+
+def test_echo_gives_the_prompts_log_probabilities_from_one_forward_through_the_swarm(
+    client: openai.OpenAI, swarm: LocalSwarm, reference: torch.nn.Module, tokenizer: Any, local_answer: Any
+) -> None:
+    text = "The three largest cities of Germany are"
+    ids = tokenizer(text).input_ids
+    local = prompt_logprobs(reference, ids)
+    before = step_lines(swarm)
+    scored = client.completions.create(model=NAME, prompt=ids, echo=True, logprobs=2, max_tokens=0, temperature=0)
+    assert new_steps(swarm, before, 1) == [[(0, 15, len(ids), 0)], [(15, 30, len(ids), 0)]]  # one forward, no more
+    choice, lists = scored.choices[0], scored.choices[0].logprobs
+    assert choice.text == text and choice.finish_reason == "length" and "".join(lists.tokens) == text
+    assert lists.token_logprobs[0] is None and lists.top_logprobs[0] is None  # nothing predicts the first token
+    assert lists.text_offset == [len("".join(lists.tokens[:place])) for place in range(len(ids))]
+    for place in range(1, len(ids)):
+        assert abs(lists.token_logprobs[place] - local[place - 1, ids[place]].item()) < 1e-4
+        top = sorted(lists.top_logprobs[place].values(), reverse=True)
+        expected = local[place - 1].topk(2).values.tolist()
+        assert len(top) in (2, 3) and max(abs(a - b) for a, b in zip(top, expected, strict=False)) < 1e-4
+    assert (scored.usage.prompt_tokens, scored.usage.completion_tokens) == (len(ids), 0)
+    answer, _, tokens = local_answer(text, chat=False)
+    generated = client.completions.create(model=NAME, prompt=text, echo=True, logprobs=2, max_tokens=NEW_TOKENS,
+                                          temperature=0)  # fmt: skip
+    lists = generated.choices[0].logprobs
+    assert generated.choices[0].text == text + answer and len(lists.tokens) == len(ids) + tokens
+    assert lists.token_logprobs[: len(ids)] == pytest.approx(scored.choices[0].logprobs.token_logprobs, abs=1e-5)
+    assert lists.text_offset == [len("".join(lists.tokens[:place])) for place in range(len(lists.tokens))]
+    streamed = client.completions.create(model=NAME, prompt=text, echo=True, max_tokens=NEW_TOKENS, temperature=0,
+                                         stream=True)  # fmt: skip
+    assert "".join(chunk.choices[0].text for chunk in streamed) == text + answer
+
+
+def test_lists_of_prompts_and_token_ids_get_their_choices_numbered_as_openai_does(
+    client: openai.OpenAI, local_answer: Any, tokenizer: Any
+) -> None:
+    texts = ["The three largest cities of Germany are", "Paris is the capital of"]
+    expected = [local_answer(text, chat=False, new_tokens=6)[0] for text in texts]
+    ids = [tokenizer(text).input_ids for text in texts]
+    for prompt in (texts, ids):
+        reply = client.completions.create(model=NAME, prompt=prompt, n=2, max_tokens=6, temperature=0)
+        assert [choice.index for choice in reply.choices] == [0, 1, 2, 3]  # prompt i, choice j: i * n + j
+        assert [choice.text for choice in reply.choices] == [expected[0]] * 2 + [expected[1]] * 2
+        assert reply.usage.prompt_tokens == len(ids[0]) + len(ids[1])
+    by_choice = ["", "", "", ""]
+    for chunk in client.completions.create(model=NAME, prompt=ids, n=2, max_tokens=6, temperature=0, stream=True):
+        for choice in chunk.choices:
+            by_choice[choice.index] += choice.text
+    assert by_choice == [expected[0]] * 2 + [expected[1]] * 2
+    one = client.completions.create(model=NAME, prompt=ids[1], max_tokens=6, temperature=0)  # a list of ints
+    assert one.choices[0].text == expected[1]
+    with pytest.raises(openai.BadRequestError, match="token id 999999"):
+        client.completions.create(model=NAME, prompt=[1, 999999], max_tokens=1)
+
+
+def local_penalized(reference: torch.nn.Module, ids: list[int], new_tokens: int, eos: int, **rules: Any) -> list[int]:
+    """Greedy decoding of the local model with the rules applied by hand, in vLLM's order: logit_bias, the
+    repetition penalty (Hugging Face's processor, over prompt and output), then OpenAI's frequency and presence
+    penalties over the output."""
+    repetition = RepetitionPenaltyLogitsProcessor(rules.get("repetition_penalty", 1.0))
+    frequency, presence = rules.get("frequency_penalty", 0.0), rules.get("presence_penalty", 0.0)
+    out: list[int] = []
+    step, cache = torch.tensor([ids]), None
+    for _ in range(new_tokens):
+        with torch.no_grad():
+            result = reference(step, cache=cache, use_cache=True)
+        cache, logits = result.past_key_values, result.logits[0, -1].float()
+        for token, bias in rules.get("logit_bias", {}).items():
+            logits[int(token)] += bias
+        logits = repetition(torch.tensor([ids + out]), logits[None])[0]
+        for token in set(out):
+            logits[token] -= out.count(token) * frequency + presence
+        out.append(int(logits.argmax()))
+        if out[-1] == eos:
+            break
+        step = torch.tensor([[out[-1]]])
+    return out
+
+
+def test_penalties_and_logit_bias_at_temperature_0_equal_local_greedy_decoding_with_the_same_rules(
+    client: openai.OpenAI, reference: torch.nn.Module, tokenizer: Any, local_answer: Any
+) -> None:
+    text, new_tokens = "red, blue, red, blue, red, blue,", 8
+    ids, eos = tokenizer(text).input_ids, tokenizer.eos_token_id
+    with one_thread():
+        plain = tokenizer.decode(local_penalized(reference, ids, new_tokens, eos), skip_special_tokens=True)
+    blue, green = tokenizer(" blue").input_ids[0], tokenizer(" green").input_ids[0]
+    cases = [
+        {"frequency_penalty": 1.0, "presence_penalty": 0.5},
+        {"repetition_penalty": 1.3, "top_k": 5, "min_p": 0.05},  # top_k and min_p leave the likeliest token be
+        {"logit_bias": {str(blue): -100, str(green): 2.5}, "presence_penalty": -0.5},
+    ]
+    for rules in cases:
+        with one_thread():
+            tokens = local_penalized(reference, ids, new_tokens, eos, **rules)
+        expected = tokenizer.decode(tokens, skip_special_tokens=True)
+        assert expected != plain, rules  # the rules change the answer: the comparison below means something
+        vllm = ("top_k", "min_p", "repetition_penalty")  # not the SDK's arguments: sent as extra_body
+        official = {k: v for k, v in rules.items() if k not in vllm}
+        extra = {k: v for k, v in rules.items() if k in vllm}
+        reply = client.completions.create(model=NAME, prompt=text, max_tokens=new_tokens, temperature=0,
+                                          extra_body=extra, **official)  # fmt: skip
+        assert reply.choices[0].text == expected, rules
+
+
+def test_an_answer_that_ends_at_once_keeps_its_logprobs_entry(
+    client: openai.OpenAI, reference: torch.nn.Module, tokenizer: Any
+) -> None:
+    question = QUESTIONS[0]
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                           return_dict=True)["input_ids"]  # fmt: skip
+    with torch.inference_mode():
+        local = torch.log_softmax(reference(torch.tensor([prompt])).logits[0, -1].float(), dim=-1)
+    eos = tokenizer.eos_token_id
+    reply = ask(client, question, logprobs=True, top_logprobs=3, logit_bias={str(eos): 100})  # ends at once
+    choice = reply.choices[0]
+    assert choice.message.content == "" and choice.finish_reason == "stop"
+    (entry,) = choice.logprobs.content
+    assert entry.token == tokenizer.eos_token and abs(entry.logprob - local[eos].item()) < 1e-4  # the model's own
+    expected = local.topk(3)
+    assert [top.token for top in entry.top_logprobs] == [tokenizer.decode([t]) for t in expected.indices.tolist()]
+    assert [top.logprob for top in entry.top_logprobs] == pytest.approx(expected.values.tolist(), abs=1e-4)
+
+
+def test_a_message_name_is_accepted_and_image_parts_get_a_text_only_400(
+    client: openai.OpenAI, local_answer: Any
+) -> None:
+    message = {"role": "user", "content": QUESTIONS[0], "name": "ada"}
+    named = client.chat.completions.create(model=NAME, max_tokens=NEW_TOKENS, temperature=0, messages=[message])
+    assert named.choices[0].message.content == local_answer(QUESTIONS[0])[0]  # this template has no use for names
+    image = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
+    with pytest.raises(openai.BadRequestError) as error:
+        ask(client, [{"type": "text", "text": "What is this?"}, image])  # type: ignore[arg-type]
+    assert error.value.param == "messages.0.content" and "this model takes text only" in error.value.message

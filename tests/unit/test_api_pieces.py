@@ -12,6 +12,7 @@ from tokenizers import decoders
 from swarmlm.api.engine import ChoiceText, SamplingParams, TokenLogprob, next_tokens, token_logprobs
 from swarmlm.api.logprobs import TokenNames, chat_content, completion_lists
 from swarmlm.api.monitor import describe_model, format_status, ranges
+from swarmlm.api.sampling import LogitRules
 from swarmlm.api.schemas import ApiError, ChatRequest, CompletionRequest, parse_body
 from swarmlm.swarm.records import ServerRecord, ServerState
 
@@ -95,10 +96,76 @@ def test_requests_parse() -> None:
     assert chat.new_tokens() == 5 and chat.stop_strings() == ("x",)
     assert chat.messages[0].as_template_input() == {"role": "system", "content": "a"}
     completion = parse_body(b'{"model": "m", "prompt": ["hi"]}', CompletionRequest)
-    assert completion.text() == "hi" and completion.max_tokens == 16
-    for bad in (b'{"model": "m", "prompt": "hi", "echo": true}', b'{"model": "m", "prompt": ["a", "b"]}'):
-        with pytest.raises(ApiError):
-            parse_body(bad, CompletionRequest)
+    assert completion.prompts() == ["hi"] and completion.max_tokens == 16 and not completion.echo
+
+
+@pytest.mark.parametrize(
+    ("prompt", "prompts"),
+    [("hi", ["hi"]), (["a", "b"], ["a", "b"]), ([1, 2, 3], [[1, 2, 3]]), ([[1, 2], [3]], [[1, 2], [3]])],
+)
+def test_completion_prompts_are_texts_or_token_ids(prompt: object, prompts: list) -> None:
+    body = {"model": "m", "prompt": prompt, "echo": True, "max_tokens": 0, "logprobs": 1}
+    assert parse_body(json.dumps(body).encode(), CompletionRequest).prompts() == prompts
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "says"),
+    [
+        ({"prompt": [1, "a"]}, "prompt", "list of token ids"),
+        ({"prompt": [[1], "a"]}, "prompt", "one kind of item"),
+        ({"prompt": [1.5]}, "prompt", "a string, a list of strings"),
+        ({"prompt": [True]}, "prompt", "list of token ids"),
+        ({"prompt": [[]]}, "prompt", "list of lists of token ids"),
+        ({"prompt": []}, "prompt", "not empty"),
+        ({"prompt": {"a": 1}}, "prompt", "a string"),
+        ({"prompt": ["x"] * 33}, "prompt", "at most 32"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens", "only with 'echo'"),
+        ({"prompt": "x", "stop": ["a"] * 65}, "stop", "at most 64 stop strings"),
+    ],
+)
+def test_bad_prompts_are_named_with_what_is_accepted(body: dict, param: str, says: str) -> None:
+    with pytest.raises(ApiError) as error:
+        parse_body(json.dumps({"model": "m", **body}).encode(), CompletionRequest)
+    assert error.value.status == 400 and error.value.param == param
+    assert says in error.value.message, error.value.message
+
+
+def test_many_stop_strings_and_sampling_settings_parse() -> None:
+    stops = [f"stop{i}" for i in range(64)]  # lm-eval sends a task's stop sequences, more than OpenAI's 4
+    body = {"model": "m", "prompt": "x", "stop": stops, "presence_penalty": 0.5, "frequency_penalty": -1,
+            "logit_bias": {"7": -100, "3": 2.5}, "top_k": 40, "min_p": 0.05, "repetition_penalty": 1.3}  # fmt: skip
+    request = parse_body(json.dumps(body).encode(), CompletionRequest)
+    assert request.stop_strings() == tuple(stops)
+    assert request.rules() == LogitRules(0.5, -1.0, 1.3, ((7, -100.0), (3, 2.5)), 40, 0.05)
+    nulls = {"model": "m", "prompt": "x", "presence_penalty": None, "top_k": None, "min_p": None,
+             "repetition_penalty": None, "logit_bias": None, "frequency_penalty": None}  # fmt: skip
+    assert parse_body(json.dumps(nulls).encode(), CompletionRequest).rules() == LogitRules()
+    off = parse_body(b'{"model": "m", "prompt": "x", "top_k": -1}', CompletionRequest)  # vLLM's way to say "off"
+    assert off.rules().top_k == 0
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("presence_penalty", 2.5), ("frequency_penalty", -3), ("logit_bias", {"5": 101}), ("logit_bias", {"x": 1}),
+     ("top_k", -2), ("min_p", 1.5), ("repetition_penalty", 0), ("top_k", 2.0)],
+)  # fmt: skip
+def test_sampling_settings_out_of_range_are_named(field: str, value: object) -> None:
+    with pytest.raises(ApiError) as error:
+        parse_body(json.dumps({"model": "m", "prompt": "x", field: value}).encode(), CompletionRequest)
+    assert error.value.status == 400 and error.value.param == field
+
+
+def test_a_message_name_is_accepted_and_media_parts_are_refused_as_text_only() -> None:
+    message = {"role": "user", "content": "hi", "name": "bob"}
+    chat = parse_body(json.dumps({"model": "m", "messages": [message]}).encode(), ChatRequest)
+    assert chat.messages[0].as_template_input() == {"role": "user", "content": "hi", "name": "bob"}
+    for part in ({"type": "image_url", "image_url": {"url": "http://x/a.png"}},
+                 {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}):  # fmt: skip
+        content = [{"type": "text", "text": "what is this?"}, part]
+        body = {"model": "m", "messages": [{"role": "user", "content": content}]}
+        with pytest.raises(ApiError) as error:
+            parse_body(json.dumps(body).encode(), ChatRequest)
+        assert error.value.param == "messages.0.content" and "this model takes text only" in error.value.message
 
 
 def record(start: int, end: int, state: ServerState = ServerState.ONLINE) -> ServerRecord:
@@ -125,15 +192,12 @@ def test_ranges() -> None:
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"frequency_penalty": 0.5}, "frequency_penalty"),
-        ({"logit_bias": {"5": 10}}, "logit_bias"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"top_k": 5}, "top_k"),  # not OpenAI's at all
+        ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
+        ({"top_a": 5}, "top_a"),  # no field of OpenAI's nor of vLLM's
         ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"stream_options": {"include_obfuscation": True}}, "stream_options.include_obfuscation"),
-        ({"messages": [{"role": "user", "content": "x", "name": "bob"}]}, "messages.0.name"),
+        ({"messages": [{"role": "user", "content": "x", "audio": {"id": "a"}}]}, "messages.0.audio"),
     ],
 )
 def test_fields_the_server_does_not_implement_are_refused_by_name(body: dict, param: str) -> None:
@@ -149,12 +213,13 @@ def test_fields_at_values_that_ask_for_nothing_are_accepted() -> None:
             "presence_penalty": 0.0, "logit_bias": {}, "tools": [], "response_format": {"type": "text"},
             "user": "someone", "store": False, "logprobs": True, "top_logprobs": 2}  # fmt: skip
     assert parse_body(json.dumps(body).encode(), ChatRequest).logprob_count() == 2
-    completion = {"model": "m", "prompt": "x", "echo": False, "best_of": 1, "suffix": None, "logprobs": 0}
+    completion = {"model": "m", "prompt": "x", "best_of": 1, "suffix": None, "logprobs": 0}
     assert parse_body(json.dumps(completion).encode(), CompletionRequest).logprob_count() == 0
     for field, value in (("logprobs", 6), ("suffix", "end"), ("best_of", 2)):
         with pytest.raises(ApiError) as error:
             parse_body(json.dumps({**completion, field: value}).encode(), CompletionRequest)
         assert error.value.param == field
+    assert "only null or 1); ask for 'n' choices with 'logprobs'" in error.value.message  # what to send instead
 
 
 def test_sampling_fields_sent_as_null_take_their_defaults() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging
@@ -18,19 +19,23 @@ from typing import Any
 
 from aiohttp import web
 
+from swarmlm.api.completions import check_bias, echo_of, merged, prompt_ids, total
 from swarmlm.api.engine import (
     ContextTooLongError,
     Delta,
+    Echo,
     Engine,
     SamplingParams,
     ShuttingDownError,
     TokenLogprob,
     Usage,
 )
+from swarmlm.api.grammar import GrammarError, response_format_grammar
 from swarmlm.api.logprobs import TokenNames, chat_content, completion_lists
 from swarmlm.api.metrics import CONTENT_TYPE, ApiMetrics
 from swarmlm.api.monitor import Monitor
 from swarmlm.api.schemas import ApiError, ChatRequest, CompletionRequest, _Request, parse_body
+from swarmlm.api.tools import ToolCall, ToolDelta, ToolPlan, plan_tools, with_tool_calls
 from swarmlm.errors import BadRequestError, MissingBlocksError, SwarmError
 
 logger = logging.getLogger(__name__)
@@ -105,6 +110,8 @@ def swarm_error(error: Exception) -> ApiError:
     """The reply for a failure while generating."""
     if isinstance(error, ApiError):
         return error
+    if isinstance(error, GrammarError):
+        return ApiError(400, f"the output's grammar cannot be enforced: {error}")
     if isinstance(error, ShuttingDownError):
         return ApiError(503, str(error), kind="service_unavailable", code="shutting_down")
     if isinstance(error, MissingBlocksError):
@@ -198,33 +205,67 @@ class Routes:
         body = parse_body(await self._body(request), ChatRequest)
         engine = self._engine(body)
         try:
-            prompt = engine.chat_prompt([message.as_template_input() for message in body.messages])
+            plan = plan_tools(body, getattr(engine.tokenizer, "chat_template", None))
+        except GrammarError as e:
+            raise ApiError(400, f"'tools' cannot be enforced: {e}", param="tools") from e
+        try:
+            prompt = engine.chat_prompt(plan.messages, tools=plan.template_tools)
         except Exception as e:  # noqa: BLE001 - the template rejects a conversation its own way (jinja errors)
             raise ApiError(400, f"The chat template rejected the messages: {e}", param="messages") from e
-        return await self._complete(request, body, prompt, body.new_tokens(), chat=True)
+        grammar = await self._grammar(engine, body, plan)
+        tools = plan if plan.parsed and body.tool_choice != "none" else None
+        return await self._complete(
+            request, body, [prompt], body.new_tokens(), chat=True, grammar=grammar, tools=tools
+        )
+
+    async def _grammar(self, engine: Engine, body: ChatRequest, plan: ToolPlan) -> str | None:
+        """The grammar the answer must follow (a forced tool call's, else response_format's), checked: what it cannot
+        enforce is a 400 naming the field and the schema's unsupported features."""
+        param = "tools" if plan.grammar else "response_format.json_schema.schema"
+        try:
+            grammar = plan.grammar or response_format_grammar(body.response_format)
+            if grammar is not None:
+                await asyncio.to_thread(engine.grammars.check, grammar)  # up to the parser limits: not on the loop
+        except GrammarError as e:
+            raise ApiError(400, f"'{param}' cannot be enforced: {e}", param=param) from e
+        return grammar
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = parse_body(await self._body(request), CompletionRequest)
         engine = self._engine(body)
-        return await self._complete(request, body, engine.text_prompt(body.text()), body.max_tokens, chat=False)
+        texts_or_ids = body.prompts()
+        prompts = [prompt_ids(engine, prompt, index) for index, prompt in enumerate(texts_or_ids)]
+        echoes = None
+        if body.echo and self.names is not None:
+            echoes = [echo_of(prompt, ids, self.names) for prompt, ids in zip(texts_or_ids, prompts, strict=True)]
+        return await self._complete(request, body, prompts, body.max_tokens, chat=False, echoes=echoes)
 
     async def _complete(
-        self, request: web.Request, body: _Request, prompt: list[int], new_tokens: int | None, chat: bool
-    ) -> web.StreamResponse:
+        self, request: web.Request, body: _Request, prompts: list[list[int]], new_tokens: int | None, chat: bool,
+        grammar: str | None = None, tools: ToolPlan | None = None, echoes: list[Echo] | None = None,
+    ) -> web.StreamResponse:  # fmt: skip
+        """The answer to `prompts` (chat's one; each prompt's choices are n of the answer's, echoes: what their text
+        starts with), whole or streamed."""
         engine = self._engine(body)
         try:
-            max_new_tokens = engine.check_fits(len(prompt), new_tokens)
+            max_new_tokens = min(engine.check_fits(len(prompt), new_tokens) for prompt in prompts)
         except ContextTooLongError as e:
             raise ApiError(400, str(e), param="messages" if chat else "prompt", code="context_length_exceeded") from e
         except ValueError as e:
             raise ApiError(400, str(e)) from e
-        logprobs = body.logprob_count()
+        logprobs, rules = body.logprob_count(), body.rules()
+        check_bias(rules, engine)
         params = SamplingParams(max_new_tokens, body.temperature, body.top_p, body.stop_strings(), body.seed, body.n,
-                                logprobs)  # fmt: skip
+                                logprobs, rules)  # fmt: skip
+        params = dataclasses.replace(params, grammar=grammar)
         names = self.names if logprobs is not None else None
-        reply = Reply(chat, body.model, body.n, body.include_usage(), names)
+        reply = Reply(chat, body.model, body.n * len(prompts), body.include_usage(), names)
         usage: list[Usage] = []
-        async with contextlib.aclosing(engine.stream(prompt, params, usage, user_of(request))) as deltas:
+        generation = merged([engine.stream(prompt, params, usage, user_of(request), echoes[i] if echoes else None)
+                             for i, prompt in enumerate(prompts)], body.n)  # fmt: skip
+        if tools is not None:  # answers are read as tool calls at their end
+            generation = with_tool_calls(generation, tools, body.n)
+        async with contextlib.aclosing(generation) as deltas:
             try:
                 first = await anext(deltas, None)  # errors before the first token get a plain error reply
             except Exception as e:  # noqa: BLE001 - mapped to its HTTP status
@@ -238,6 +279,7 @@ class Routes:
     ) -> web.Response:
         texts, reasons = [""] * reply.n, list[str | None]([None] * reply.n)
         logprobs: list[list[TokenLogprob]] = [[] for _ in range(reply.n)]
+        calls: list[tuple[ToolCall, ...]] = [() for _ in range(reply.n)]
         try:
             rest = [delta async for delta in deltas]
         except Exception as e:  # noqa: BLE001 - mapped to its HTTP status
@@ -246,7 +288,9 @@ class Routes:
             texts[delta.index] += delta.text
             reasons[delta.index] = delta.finish_reason or reasons[delta.index]
             logprobs[delta.index] += delta.logprobs
-        return web.json_response(reply.whole(texts, reasons, usage[0] if usage else Usage(0, 0), logprobs))
+            if isinstance(delta, ToolDelta):
+                calls[delta.index] = delta.tool_calls
+        return web.json_response(reply.whole(texts, reasons, total(usage), logprobs, calls))
 
     async def _stream(
         self,
@@ -266,7 +310,7 @@ class Routes:
             async for delta in deltas:
                 await _send(response, reply.chunk(delta))
             if reply.include_usage and usage:
-                await _send(response, reply.usage_chunk(usage[0]))
+                await _send(response, reply.usage_chunk(total(usage)))
         except (ConnectionError, asyncio.CancelledError):
             raise  # the client went away: aclosing() stops the generation and closes its session
         except Exception as e:  # noqa: BLE001 - headers are sent: the error travels as an event
@@ -315,6 +359,8 @@ class Reply:
         choice: dict[str, Any] = {"index": delta.index, "finish_reason": delta.finish_reason, "logprobs": logprobs}
         if self.chat:
             choice["delta"] = {"content": delta.text} if delta.text else {}
+            if isinstance(delta, ToolDelta):
+                choice["delta"]["tool_calls"] = [call.shape(i) for i, call in enumerate(delta.tool_calls)]
         else:
             choice["text"] = delta.text
         return self._envelope([choice], chunk=True)
@@ -323,12 +369,17 @@ class Reply:
         return {**self._envelope([], chunk=True), "usage": _usage(usage)}
 
     def whole(
-        self, texts: list[str], reasons: list[str | None], usage: Usage, logprobs: list[list[TokenLogprob]]
-    ) -> dict[str, Any]:
+        self, texts: list[str], reasons: list[str | None], usage: Usage, logprobs: list[list[TokenLogprob]],
+        tool_calls: list[tuple[ToolCall, ...]] | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
         choices = []
         for index, (text, reason, entries) in enumerate(zip(texts, reasons, logprobs, strict=True)):
             choice: dict[str, Any] = {"index": index, "finish_reason": reason, "logprobs": self._logprobs(entries)}
-            if self.chat:
+            calls = tool_calls[index] if tool_calls else ()
+            if self.chat and calls:  # OpenAI's shape: content null unless the model wrote text before its calls
+                choice["message"] = {"role": "assistant", "content": text or None,
+                                     "tool_calls": [call.shape() for call in calls]}  # fmt: skip
+            elif self.chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = text

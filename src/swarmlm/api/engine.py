@@ -18,13 +18,19 @@ import time
 from collections import deque
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from swarmlm.api.fair import FairSlots
+from swarmlm.api.grammar import Grammars, masked
 from swarmlm.api.metrics import ApiMetrics
+from swarmlm.api.sampling import LogitRules, Penalties, filtered_probs
+from swarmlm.api.scoring import TokenLogprob, prompt_logprobs, token_logprobs
 from swarmlm.client.model import DistributedCausalLMMixin
+
+if TYPE_CHECKING:
+    from swarmlm.client.generation import GenerationSession
 
 logger = logging.getLogger(__name__)
 
@@ -64,17 +70,17 @@ class SamplingParams:
     seed: int | None = None  # same seed, same request: same text
     n: int = 1  # choices, generated as the rows of one session
     logprobs: int | None = None  # None: no log-probabilities; k: each token's, with its k most likely alternatives
+    rules: LogitRules = LogitRules()  # logit_bias, penalties, top_k, min_p
+    grammar: str | None = None  # llguidance grammar every choice must follow (api/grammar.py); None: free text
 
 
 @dataclass(frozen=True)
-class TokenLogprob:
-    """A generated token's log-probability under the model (its logits' log-softmax, whatever the temperature),
-    and the most likely tokens at its place, most likely first."""
+class Echo:
+    """The prompt repeated before each choice's text (the completions endpoint's echo): its text, and where each of its
+    tokens' text begins in it (for the tokens' log-probabilities, when asked)."""
 
-    token: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]  # (token, log-probability)
-    text_offset: int  # characters of the choice's text before this token
+    text: str
+    offsets: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -150,36 +156,12 @@ class ChoiceText:
 
 
 def next_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
-    """(rows, vocab) logits -> (rows,) token ids: argmax at temperature 0, else nucleus sampling."""
+    """(rows, vocab) logits (bias and penalties applied) -> (rows,) token ids: argmax at temperature 0, else sampled
+    after min_p, top_k and top_p (api/sampling.py)."""
     if params.temperature == 0:
         return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
-    if params.top_p < 1.0:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        # keep a token while the tokens before it sum to less than top_p (the first one always stays)
-        drop = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p
-        sorted_probs[drop] = 0.0
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    probs = filtered_probs(logits, params.temperature, params.top_p, params.rules)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-
-
-def token_logprobs(
-    logits: torch.Tensor, chosen: torch.Tensor, top: int | None
-) -> list[tuple[float, tuple[tuple[int, float], ...]]] | None:
-    """Per row of (rows, vocab) logits: the chosen token's log-probability and the `top` most likely (token,
-    log-probability), most likely first; None when top is None (not asked for). The model's distribution, before
-    temperature and top_p (which only shape the sampling)."""
-    if top is None:
-        return None
-    logprobs = torch.log_softmax(logits.float(), dim=-1)  # (rows, vocab)
-    picked = logprobs.gather(-1, chosen[:, None].to(logprobs.device))[:, 0].tolist()
-    best = logprobs.topk(min(top, logprobs.shape[-1]), dim=-1) if top else None  # sorted, most likely first
-    rows = []
-    for row, logprob in enumerate(picked):
-        alternatives = () if best is None else tuple(zip(best.indices[row].tolist(), best.values[row].tolist(),
-                                                         strict=True))  # fmt: skip
-        rows.append((logprob, alternatives))
-    return rows
 
 
 _END = object()
@@ -209,16 +191,18 @@ class Engine:
         if eos is None:
             eos = self.tokenizer.eos_token_id
         self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        self.grammars = Grammars(self.tokenizer, self.eos_ids, self.model.config.vocab_size)  # structured output
 
     def in_progress(self) -> int:
         """Requests generating or waiting for a slot."""
         return len(self._tasks)
 
-    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of a conversation rendered by the model's chat template, ready for the assistant's answer."""
+    def chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of a conversation (and the tools offered, api/tools.py) rendered by the model's chat template,
+        ready for the assistant's answer."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template: use /v1/completions")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
+        ids = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, return_dict=True)
         return list(ids["input_ids"])
 
     def text_prompt(self, text: str) -> list[int]:
@@ -245,10 +229,11 @@ class Engine:
         return max_new_tokens
 
     async def stream(
-        self, prompt: list[int], params: SamplingParams, usage: list[Usage], user: str = ""
+        self, prompt: list[int], params: SamplingParams, usage: list[Usage], user: str = "", echo: Echo | None = None
     ) -> AsyncGenerator[Delta]:
-        """The choices' text deltas as they are generated; `usage` gets the token counts at the end. Closing the
-        iterator early (the client went away) stops the generation and closes its session."""
+        """The choices' text deltas as they are generated (after the prompt's, with `echo`); `usage` gets the token
+        counts at the end. Closing the iterator early (the client went away) stops the generation and closes its
+        session."""
         if self.closing:
             raise ShuttingDownError
         loop = asyncio.get_running_loop()
@@ -262,7 +247,7 @@ class Engine:
         began = time.perf_counter()
         stats: dict[str, Any] = {"first": None, "tokens": 0, "outcome": "cancelled"}
         try:
-            self.model.client.loop.submit(self._run(prompt, params, emit, cancelled, stats, user))
+            self.model.client.loop.submit(self._run(prompt, params, emit, cancelled, stats, user, echo))
         except RuntimeError as e:  # the client's loop is closed
             stats["outcome"] = type(e).__name__
             raise RuntimeError("the swarm connection is closed") from e
@@ -294,6 +279,7 @@ class Engine:
         cancelled: threading.Event,
         stats: dict[str, Any],
         user: str = "",
+        echo: Echo | None = None,
     ) -> None:
         """Generate on the client's loop, once a slot is free (api/fair.py: `user`'s turn); every result and error
         goes through emit, then _END."""
@@ -305,7 +291,7 @@ class Engine:
                 if not cancelled.is_set():
                     self.generating += 1
                     try:
-                        await self._generate(prompt, params, emit, cancelled, stats)
+                        await self._generate(prompt, params, emit, cancelled, stats, echo)
                     finally:
                         self.generating -= 1
             if not cancelled.is_set():
@@ -329,38 +315,75 @@ class Engine:
         emit: Callable[[object], None],
         cancelled: threading.Event,
         stats: dict[str, Any],
+        echo: Echo | None = None,
     ) -> None:
         generator = torch.Generator().manual_seed(random.getrandbits(63) if params.seed is None else params.seed)
         choices = [ChoiceText(self.tokenizer, params.stop, self.eos_ids) for _ in range(params.n)]
         pending: list[list[TokenLogprob]] = [[] for _ in range(params.n)]  # per choice, not yet in a delta
+        shift = 0 if echo is None else len(echo.text)  # the generated tokens' text comes after the echoed prompt
+        scores_prompt = echo is not None and params.logprobs is not None
+        if echo is not None and not scores_prompt:  # the prompt's text alone: no forward needed for it
+            for index in range(params.n):
+                emit(Delta(index, echo.text))
+        if params.max_new_tokens > 0 or scores_prompt:
+            await self._decode(prompt, params, emit, cancelled, stats, (generator, choices, pending, shift), echo)
+        if cancelled.is_set():
+            return
+        for index, choice in enumerate(choices):
+            if choice.finish_reason is None:
+                emit(Delta(index, choice.finish("length"), "length", tuple(pending[index])))
+        emit(Usage(len(prompt), stats["tokens"]))
+
+    async def _decode(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        emit: Callable[[object], None],
+        cancelled: threading.Event,
+        stats: dict[str, Any],
+        state: tuple[torch.Generator, list[ChoiceText], list[list[TokenLogprob]], int],
+        echo: Echo | None,
+    ) -> None:
+        """The prompt's forward, then token after token through one inference session until every choice ends or
+        max_new_tokens are made."""
+        generator, choices, pending, shift = state
         ids = torch.tensor([prompt] * params.n, dtype=torch.long)  # (n, tokens)
         reserved = reservation(len(prompt), 0, params.max_new_tokens, 0, self.initial_reserve)
         session = self.model.inference_session(max_length=reserved)
         try:
+            if cancelled.is_set():
+                return
+            logits = await self._first_logits(session, ids, prompt, params, emit, echo)  # (n, vocab)
+            stats["first"] = time.perf_counter()
+            self.route = [(span.peer_id, span.start, span.end) for span in session.route]
+            penalties = Penalties(params.rules, prompt, params.n, logits.shape[-1])
+            guide = None if params.grammar is None else await asyncio.to_thread(self.grammars.guide, params.grammar,
+                                                                               params.n)  # fmt: skip
             for generated in range(params.max_new_tokens):
-                if cancelled.is_set():
-                    return
-                if len(prompt) + generated > reserved:  # the servers' cache holds no more: a larger session
-                    reserved = reservation(
-                        len(prompt), generated, params.max_new_tokens, reserved, self.initial_reserve
-                    )
-                    await session.aclose()
-                    session = self.model.inference_session(max_length=reserved)  # replays prompt and tokens so far
-                logits = await self.model.anext_logits(session, ids)  # (n, vocab)
-                if stats["first"] is None:
-                    stats["first"] = time.perf_counter()
-                    self.route = [(span.peer_id, span.start, span.end) for span in session.route]
+                if generated:
+                    if cancelled.is_set():
+                        return
+                    if len(prompt) + generated > reserved:  # the servers' cache holds no more: a larger session
+                        reserved = reservation(
+                            len(prompt), generated, params.max_new_tokens, reserved, self.initial_reserve
+                        )
+                        await session.aclose()
+                        session = self.model.inference_session(max_length=reserved)  # replays the tokens so far
+                    logits = await self.model.anext_logits(session, ids)  # (n, vocab)
                 with torch.inference_mode():
-                    chosen = next_tokens(logits, params, generator)
+                    chosen = next_tokens(masked(guide, penalties.apply(logits)), params, generator)
                     scored = token_logprobs(logits, chosen, params.logprobs)
+                penalties.add(chosen)
                 for index, choice in enumerate(choices):
                     if choice.finish_reason is None:
                         stats["tokens"] += 1
                         token = int(chosen[index])
-                        if scored is not None and token not in self.eos_ids:
+                        if scored is not None:  # the end-of-sequence token's entry too: its likelihood is news
                             logprob, top = scored[index]
-                            pending[index].append(TokenLogprob(token, logprob, top, choice.decoded))
+                            pending[index].append(TokenLogprob(token, logprob, top, shift + choice.decoded))
                         text = choice.add(token)
+                        if guide is not None and choice.finish_reason is None and guide.ended(index, token):
+                            text += choice.finish("stop")  # the grammar is complete: nothing may follow
                         if text or choice.finish_reason:
                             emit(Delta(index, text, choice.finish_reason, tuple(pending[index])))
                             pending[index].clear()
@@ -369,10 +392,25 @@ class Engine:
                 ids = torch.cat([ids, chosen[:, None]], dim=1)
         finally:
             await session.aclose()
-        for index, choice in enumerate(choices):
-            if choice.finish_reason is None:
-                emit(Delta(index, choice.finish("length"), "length", tuple(pending[index])))
-        emit(Usage(len(prompt), stats["tokens"]))
+
+    async def _first_logits(
+        self,
+        session: GenerationSession,
+        ids: torch.Tensor,
+        prompt: list[int],
+        params: SamplingParams,
+        emit: Callable[[object], None],
+        echo: Echo | None,
+    ) -> torch.Tensor:
+        """The logits (n, vocab) after the prompt. With echo and logprobs, each choice's first delta is the prompt
+        with its tokens' log-probabilities, from the same forward of the prompt through the swarm."""
+        if echo is None or params.logprobs is None:
+            return await self.model.anext_logits(session, ids)
+        hidden = await self.model.anext_hidden(session, ids)  # (n, prompt, hidden): the rows are equal
+        entries = await prompt_logprobs(self.model.ahead_logits, prompt, hidden[0], params.logprobs, echo.offsets)
+        for index in range(params.n):
+            emit(Delta(index, echo.text, None, entries))
+        return await self.model.ahead_logits(hidden[:, -1])
 
     def close(self) -> None:
         """Refuse new requests, end those still generating (with ShuttingDownError), and wait (a little) for their

@@ -51,7 +51,7 @@ class TokenNames:
 def chat_content(entries: Sequence[TokenLogprob], names: TokenNames) -> dict[str, Any]:
     """A chat choice's `logprobs`: one entry per token, with its most likely alternatives."""
 
-    def described(token: int, logprob: float) -> dict[str, Any]:
+    def described(token: int, logprob: float | None) -> dict[str, Any]:
         return {"token": names.text_of(token), "logprob": logprob, "bytes": list(names.bytes_of(token))}
 
     content = [{**described(entry.token, entry.logprob), "top_logprobs": [described(*top) for top in entry.top]}
@@ -61,9 +61,13 @@ def chat_content(entries: Sequence[TokenLogprob], names: TokenNames) -> dict[str
 
 def completion_lists(entries: Sequence[TokenLogprob], names: TokenNames) -> dict[str, Any]:
     """A completion choice's `logprobs`: tokens, their log-probabilities, per token the most likely alternatives
-    (with the chosen token, as OpenAI does: up to logprobs + 1 of them) and where each token's text begins."""
-    top_logprobs = []
+    (with the chosen token, as OpenAI does: up to logprobs + 1 of them) and where each token's text begins. An echoed
+    prompt's first token has null for both, as OpenAI's had: nothing before it predicts it."""
+    top_logprobs: list[dict[str, float] | None] = []
     for entry in entries:
+        if entry.logprob is None:
+            top_logprobs.append(None)
+            continue
         alternatives = {names.text_of(token): logprob for token, logprob in entry.top}
         alternatives.setdefault(names.text_of(entry.token), entry.logprob)
         top_logprobs.append(alternatives)

@@ -289,6 +289,13 @@ class RemoteGenerationMixin(_ModelBase):
         What a generation loop needs per token, for callers that run many generations as coroutines on one loop
         (the API server's requests): their LM heads run as one product on a worker thread, gathered from every
         generation of this model whose step comes back at about the same time (client/head_batching.py)."""
+        hidden = await self.anext_hidden(session, input_ids)
+        return await self.ahead_logits(hidden[:, -1])
+
+    async def anext_hidden(self, session: InferenceSession, input_ids: torch.Tensor) -> torch.Tensor:
+        """On the client's loop: the final-norm hidden states (batch, new tokens, hidden) of the tokens of input_ids
+        that `session` has not processed, run through its servers in one step. A caller that scores every position
+        (a prompt's log-probabilities) puts them through ahead_logits a slice at a time."""
         session = generating(session)
         with torch.inference_mode():
             step = self._session_step(session, input_ids, None, None)
@@ -302,7 +309,11 @@ class RemoteGenerationMixin(_ModelBase):
         finally:
             self._loop_heads.stepping -= 1
         with torch.inference_mode():
-            hidden = self._after_step(session, step, input_ids, out)[:, -1]
+            return self._after_step(session, step, input_ids, out)
+
+    async def ahead_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """On the client's loop: the logits (rows, vocab) of final-norm hidden states (rows, hidden), by the LM head
+        shared with the other generations on this loop."""
         logits = await self._loop_heads(hidden)
         return self.family.final_logits(self.config, logits)
 
