@@ -111,7 +111,7 @@ def recovery_time(model: torch.nn.Module, swarm: LocalSwarm, ids: torch.Tensor, 
         # in a thread of its own: LocalSwarm.kill sends SIGKILL at once, then waits until the server's p2p daemon and
         # DHT node are gone too (seconds), which is no part of the client's recovery
         session = model.active_session
-        peer = session._spans[-1].span.peer_id
+        peer = session.route[-1].peer_id
         victim = next(s for s in swarm.servers if s.peer_id == peer)
         killing.append(threading.Thread(target=swarm.kill, args=(victim,), name="kill", daemon=True))
         killing[-1].start()

@@ -114,7 +114,7 @@ class KillAfter:
         self.seen += 1  # the first call carries the prompt
         if self.seen == self.count:
             session = self.model.active_session
-            peer = next(s.span.peer_id for s in session._spans if s.span.start <= 2 < s.span.end)
+            peer = next(s.peer_id for s in session.route if s.start <= 2 < s.end)
             self.swarm.kill(next(server for server in self.swarm.servers if server.peer_id == peer))
             self.killed.append(peer)
 

@@ -129,7 +129,7 @@ def kill_server_of(model: torch.nn.Module, swarm: LocalSwarm, block: int, sessio
     """SIGKILL the server that an open inference session (by default the model's active one in this thread) uses
     for `block`; return its peer id."""
     session = session or model.active_session
-    peer = next(s.span.peer_id for s in session._spans if s.span.start <= block < s.span.end)
+    peer = next(s.peer_id for s in session.route if s.start <= block < s.end)
     swarm.kill(next(server for server in swarm.servers if server.peer_id == peer))
     return peer
 
@@ -148,7 +148,7 @@ def test_sigkill_mid_prefill_and_mid_decode_changes_nothing(smollm_dir, referenc
         def kill_when_open() -> None:
             # the long prompt's prefill keeps the first span busy: its successor dies before the prefill reaches it
             deadline = time.monotonic() + 120
-            while not session._spans and time.monotonic() < deadline:
+            while not session.route and time.monotonic() < deadline:
                 time.sleep(0.005)
             killed.append(kill_server_of(model, swarm, 15, session))
 

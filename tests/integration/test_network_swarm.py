@@ -61,8 +61,8 @@ class KillAfter:
     def put(self, value: torch.Tensor) -> None:
         self.seen += 1  # the first call carries the prompt
         if self.seen == self.count:
-            spans = self.model.active_session._spans
-            self.killed = next(s.span.peer_id for s in spans if s.span.start <= self.block < s.span.end)
+            spans = self.model.active_session.route
+            self.killed = next(s.peer_id for s in spans if s.start <= self.block < s.end)
             self.swarm.kill(next(server for server in self.swarm.servers if server.peer_id == self.killed))
 
     def end(self) -> None:
@@ -114,8 +114,9 @@ def test_speculative_generation_over_50ms_links_equals_greedy(
     ids = torch.tensor([[7, 8, 9, 7, 8, 9, 7, 8]])  # a repeating prompt: prompt lookup has drafts to propose
     model = connect(swarm, tiny_model_dir, swarm.servers[:2])
     try:
-        output = model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-                                prompt_lookup_num_tokens=4)  # fmt: skip
+        output = model.generate(
+            ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, prompt_lookup_num_tokens=4
+        )
         assert output[0].tolist() == local_greedy(reference, ids, NEW_TOKENS)
     finally:
         model.close()

@@ -101,7 +101,7 @@ def test_sigterm_mid_generation_drains_and_the_generation_completes_as_local(mod
         model.inference_session(max_length=64) as session,
     ):
         first = model.generate(ids, max_new_tokens=4, do_sample=False)
-        peer = next(s.span.peer_id for s in session._spans if s.span.start <= 4 < s.span.end)
+        peer = next(s.peer_id for s in session.route if s.start <= 4 < s.end)
         victim: LocalServer = next(s for s in swarm.servers if s.peer_id == peer)
         victim.process.send_signal(signal.SIGTERM)
         began = time.monotonic()
@@ -109,7 +109,7 @@ def test_sigterm_mid_generation_drains_and_the_generation_completes_as_local(mod
         # a new session goes elsewhere: the draining server is no longer online, and refuses it as busy if asked
         with model.model.layers[4:7].inference_session(max_length=8) as fresh:
             fresh.step(torch.randn(1, 3, 64))
-            assert peer not in {s.span.peer_id for s in fresh._spans}
+            assert peer not in {s.peer_id for s in fresh.route}
         # the draining server goes on serving the open session
         second = model.generate(first, max_new_tokens=4, do_sample=False)
         victim.process.wait(DRAIN_TIMEOUT_S + EXIT_SLACK_S)
@@ -119,7 +119,7 @@ def test_sigterm_mid_generation_drains_and_the_generation_completes_as_local(mod
         assert "Closing 1 inference sessions still open" in log, log
         # it closed the session at its deadline: the client rebuilds it on the replica
         output = model.generate(second, max_new_tokens=8, do_sample=False)
-        assert peer not in {s.span.peer_id for s in session._spans}
+        assert peer not in {s.peer_id for s in session.route}
     assert output.tolist() == expected.tolist()
 
 

@@ -69,7 +69,7 @@ def server_of(swarm: LocalSwarm, peer_id: str) -> LocalServer:
 
 
 def session_server(swarm: LocalSwarm, session: object, block: int) -> LocalServer:
-    return server_of(swarm, next(s.span.peer_id for s in session._spans if s.span.start <= block < s.span.end))
+    return server_of(swarm, next(s.peer_id for s in session.route if s.start <= block < s.end))
 
 
 def count_in_log(server: LocalServer, text: str) -> int:
@@ -93,7 +93,7 @@ def test_a_refused_open_closes_the_streams_it_opened_and_the_next_step_works(mod
     blockers = [layers[2:4].inference_session(max_length=length) for length in (CACHE_TOKENS * 3 // 2, CACHE_TOKENS)]
     for blocker in blockers:
         blocker.step(randn(1, 1, HIDDEN_SIZE, seed=0))
-    assert {s.span.peer_id for b in blockers for s in b._spans} == {swarm.servers[1].peer_id, swarm.servers[3].peer_id}
+    assert {s.peer_id for b in blockers for s in b.route} == {swarm.servers[1].peer_id, swarm.servers[3].peer_id}
     hidden = randn(1, 4, HIDDEN_SIZE, seed=1)
     session = layers.inference_session(max_length=8)
     opened_before = count_in_log(first, "inference open blocks=0:2")
@@ -120,7 +120,7 @@ def test_a_server_killed_mid_session_is_replaced_after_a_rollback(model, swarm, 
         victim = session_server(swarm, session, 2)  # a middle or last span; blocks 2:5 have a replica
         swarm.kill(victim)
         out = session.step(other)
-        assert victim.peer_id not in {s.span.peer_id for s in session._spans}
+        assert victim.peer_id not in {s.peer_id for s in session.route}
         assert_close(out, local(span, torch.cat([hidden[:, :6], other], dim=1))[:, 6:])
         assert_close(
             session.step(hidden[:, :1]), local(span, torch.cat([hidden[:, :6], other, hidden[:, :1]], 1))[:, 9:]

@@ -3,11 +3,27 @@ a step, a failure or a rollback, which spans a failed step leaves to rebuild, an
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 
 from swarmlm.client.session_state import SessionState, SpanState, pushable, split_step
 from swarmlm.protocol.bundle import SpanTensors
+from swarmlm.swarm.routing import RouteSpan
+
+
+@dataclass
+class Link:
+    """A hop of a session's route as plain data: its server and blocks, and its cache's state (lost once broken, as
+    a dropped link is)."""
+
+    span: RouteSpan
+    state: SpanState
+
+    @property
+    def lost(self) -> bool:
+        return self.state.broken
 
 
 def step(begin: int, seq: int, batch: int = 2, hypo_ids: list[int] | None = None) -> SpanTensors:
@@ -20,15 +36,22 @@ def step(begin: int, seq: int, batch: int = 2, hypo_ids: list[int] | None = None
     )
 
 
-def route(*bounds: tuple[int, int]) -> list[SpanState]:
-    return [SpanState(start, end) for start, end in bounds]
+def link(start: int, end: int, peer: str | None = None) -> Link:
+    return Link(RouteSpan(peer or f"peer{start}:{end}", start, end), SpanState(start, end))
 
 
-def run(state: SessionState, spans: list[SpanState], inputs: SpanTensors) -> None:
+def session(*bounds: tuple[int, int], max_length: int = 16, push: bool = True) -> SessionState[Link]:
+    """A session over blocks from the first bound's start to the last's end, routed over one hop per bound."""
+    state: SessionState[Link] = SessionState(bounds[0][0], bounds[-1][1], max_length, push=push)
+    state.splice(0, 0, [link(start, end) for start, end in bounds])
+    return state
+
+
+def run(state: SessionState[Link], inputs: SpanTensors) -> None:
     """Every span runs the step and the session commits it, as a successful step does."""
-    for span in spans:
+    for span in state.spans():
         span.ran(inputs, state.position)
-    state.commit(inputs, spans)
+    state.commit(inputs)
 
 
 def test_a_long_step_is_split_into_sub_steps_that_each_carry_their_mask_and_positions() -> None:
@@ -44,61 +67,56 @@ def test_a_long_step_is_split_into_sub_steps_that_each_carry_their_mask_and_posi
 
 
 def test_steps_that_every_span_ran_join_the_histories_and_advance_the_position() -> None:
-    state, spans = SessionState(0, 6, max_length=16), route((0, 2), (2, 6))
-    run(state, spans, step(0, 4))
-    run(state, spans, step(4, 0))  # an empty step that only cut the caches leaves no trace
-    run(state, spans, step(4, 0, hypo_ids=[1, 0]))  # a reorder without tokens stays: the rows stay reordered
-    run(state, spans, step(4, 2))
+    state = session((0, 2), (2, 6))
+    spans = state.spans()
+    run(state, step(0, 4))
+    run(state, step(4, 0))  # an empty step that only cut the caches leaves no trace
+    run(state, step(4, 0, hypo_ids=[1, 0]))  # a reorder without tokens stays: the rows stay reordered
+    run(state, step(4, 2))
     assert state.position == 6
     assert all(span.tokens == 6 and span.pending is None for span in spans)
     assert [s.hidden.shape[1] for s in spans[1].history] == [4, 0, 2] and spans[1].history[1].hypo_ids is not None
 
 
 def test_a_commit_refuses_a_span_that_ran_nothing_and_keeps_the_others_as_they_were() -> None:
-    state, spans = SessionState(0, 6, max_length=16), route((0, 2), (2, 6))
+    state = session((0, 2), (2, 6))
+    spans = state.spans()
     spans[0].ran(step(0, 3), 0)
     with pytest.raises(RuntimeError, match="inference span 2:6 ran no step"):
-        state.commit(step(0, 3), spans)
+        state.commit(step(0, 3))
     assert state.position == 0 and spans[0].history == [] and spans[0].pending is not None
 
 
 def test_a_span_is_cut_back_by_its_next_step_unless_it_reordered_its_cache_or_was_lost() -> None:
-    state, spans = SessionState(0, 9, max_length=16), route((0, 3), (3, 6), (6, 9))
-    run(state, spans, step(0, 4))
+    state = session((0, 3), (3, 6), (6, 9))
+    spans = state.spans()
+    run(state, step(0, 4))
     spans[0].ran(step(4, 2), state.position)  # a step the first span ran before the second failed it
     assert spans[0].behind(4, lost=False) and not spans[2].behind(4, lost=False)
     assert spans[2].behind(4, lost=True)
-    assert spans[0].settle_failed_step(lost=False) is False  # kept: its next step cuts it back
+    assert spans[0].must_rebuild(lost=False) is False  # kept: its next step cuts it back
+    spans[0].settle_failed_step()
     assert spans[0].pending is None and spans[0].tokens == 6 and spans[0].start_from(4) == 4
     assert spans[2].start_from(4) is None
     spans[1].ran(step(4, 1, hypo_ids=[1, 0]), state.position)
-    assert spans[1].settle_failed_step(lost=False) is True  # its cache rows are reordered: rebuilt from history
-    assert spans[2].settle_failed_step(lost=True) is True
+    assert spans[1].must_rebuild(lost=False) is True  # its cache rows are reordered: rebuilt from history
+    spans[1].settle_failed_step()
+    assert spans[1].pending is not None  # a reorder is not forgotten: the server cannot undo it
+    assert spans[2].must_rebuild(lost=True) is True
 
 
 def test_a_rollback_cuts_every_history_and_refuses_positions_it_does_not_hold() -> None:
-    state, spans = SessionState(0, 6, max_length=16), route((0, 2), (2, 6))
-    run(state, spans, step(0, 4))
-    run(state, spans, step(4, 3))
-    state.rollback(5, spans)
+    state = session((0, 2), (2, 6))
+    spans = state.spans()
+    run(state, step(0, 4))
+    run(state, step(4, 3))
+    state.rollback(5)
     assert state.position == 5
     assert [[s.hidden.shape[1] for s in span.history] for span in spans] == [[4, 1], [4, 1]]
     assert spans[0].tokens == 7 and spans[0].start_from(5) == 5  # the server cuts its cache at the next step
     for tokens in (6, -1):
         with pytest.raises(ValueError, match=r"position must lie in \[0, 5\]"):
-            state.rollback(tokens, spans)
-
-
-def test_a_replay_plan_rebuilds_what_the_span_committed_in_few_requests() -> None:
-    span = SpanState(0, 3)
-    for begin in range(5):
-        span.ran(step(begin, 1), begin)
-        span.commit(True)
-    assert [s.hidden.shape[1] for s in span.replay_plan(max_tokens=6)] == [3, 2]
-    replacement = SpanState(0, 3)
-    for replayed in span.replay_plan(max_tokens=1024):
-        replacement.replayed(replayed)
-    assert replacement.tokens == 5 and replacement.start_from(5) is None and not replacement.behind(5, lost=False)
+            state.rollback(tokens)
 
 
 def test_steps_the_session_cannot_hold_are_refused() -> None:
@@ -111,28 +129,45 @@ def test_steps_the_session_cannot_hold_are_refused() -> None:
 
 
 def test_an_empty_step_makes_no_call_unless_it_reorders_or_a_span_is_behind() -> None:
-    state, spans = SessionState(0, 6, max_length=16), route((0, 2), (2, 6))
-    run(state, spans, step(0, 4))
-    assert state.is_noop(step(4, 0), spans, [False, False])
-    assert not state.is_noop(step(4, 0, hypo_ids=[1, 0]), spans, [False, False])
-    assert not state.is_noop(step(4, 0), spans, [False, True])
-    state.rollback(3, spans)
-    assert not state.is_noop(step(3, 0), spans, [False, False])  # the caches still hold 4 tokens: cut them
+    state = session((0, 2), (2, 6))
+    run(state, step(0, 4))
+    assert state.is_noop(step(4, 0))
+    assert not state.is_noop(step(4, 0, hypo_ids=[1, 0]))
+    state.route[1].state.broken = True
+    assert not state.is_noop(step(4, 0))
+    state.route[1].state.broken = False
+    state.rollback(3)
+    assert not state.is_noop(step(3, 0))  # the caches still hold 4 tokens: cut them
 
 
 def test_only_plain_steps_over_a_whole_ready_route_of_several_spans_are_pushed() -> None:
-    state, spans = SessionState(0, 6, max_length=16), route((0, 2), (2, 6))
-    ok = [False, False]
-    assert pushable(step(0, 2), state, spans, ok)
-    assert not pushable(step(0, 0), state, spans, ok)  # nothing to push
-    assert not pushable(step(0, 2, hypo_ids=[1, 0]), state, spans, ok)
-    assert not pushable(step(0, 2), state, spans, [True, False])  # a lost span is rebuilt first
-    assert not pushable(step(0, 2), state, route((0, 6)), [False])  # one server: nothing to push to
-    assert not pushable(step(0, 2), state, route((0, 2), (3, 6)), ok)  # a gap: the client relays
-    assert not pushable(step(0, 2), state, route((0, 2), (2, 5)), ok)  # short of the session's last block
+    state = session((0, 2), (2, 6))
+    assert pushable(step(0, 2), state)
+    assert not pushable(step(0, 0), state)  # nothing to push
+    assert not pushable(step(0, 2, hypo_ids=[1, 0]), state)
+    state.route[0].state.broken = True
+    assert not pushable(step(0, 2), state)  # a lost span is rebuilt first
+    state.route[0].state.broken = False
+    assert not pushable(step(0, 2), session((0, 6)))  # one server: nothing to push to
+    gap = session((0, 2), (3, 6))
+    assert not pushable(step(0, 2), gap)  # a gap: the client relays
+    short = session((0, 2), (2, 6))
+    short.splice(1, 1, [link(2, 5)])
+    assert not pushable(step(0, 2), short)  # short of the session's last block
     with_prompts = SpanTensors(torch.zeros(2, 2, 1), prompts=torch.zeros(6, 1, 1))
-    assert not pushable(with_prompts, state, spans, ok)  # deep prompts are cut per span by the client
-    spans[1].ran(step(0, 2), 0)
-    assert not pushable(step(0, 2), state, spans, ok)  # a span still holds an uncommitted step
-    off = SessionState(0, 6, max_length=16, push=False)
-    assert not pushable(step(0, 2), off, route((0, 2), (2, 6)), ok)
+    assert not pushable(with_prompts, state)  # deep prompts are cut per span by the client
+    state.route[1].state.ran(step(0, 2), 0)
+    assert not pushable(step(0, 2), state)  # a span still holds an uncommitted step
+    assert not pushable(step(0, 2), session((0, 2), (2, 6), push=False))
+
+
+def test_the_route_changes_by_splices_that_hand_back_what_they_took_out() -> None:
+    state = session((0, 2), (2, 4), (4, 6))
+    first, middle, last = state.route
+    replacements = [link(2, 3, "new-a"), link(3, 4, "new-b")]
+    assert state.splice(1, 1, replacements) == [middle]
+    assert [hop.span.peer_id for hop in state.route] == ["peer0:2", "new-a", "new-b", "peer4:6"]
+    assert state.covers()
+    with pytest.raises(IndexError, match="cannot replace hops 3:5 of a route of 4"):
+        state.splice(3, 2, [])
+    assert state.splice(0, len(state.route), []) == [first, *replacements, last] and state.route == []

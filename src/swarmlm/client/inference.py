@@ -1,8 +1,9 @@
 """Client inference sessions: server-side KV caches along a route; all-or-nothing steps, rollback and failover.
 
-The session's data (position, what each span's cache holds) is in client/session_state.py, its links to the servers
-in client/session_links.py, and what it does when they fail in client/session_recovery.py. This module holds the
-public session and its one step function, which reads top to bottom whatever path a step takes.
+The session's data (its route, position, what each span's cache holds) is in client/session_state.py, its links to
+the servers in client/session_links.py, what it plans when they fail in client/session_plan.py and how those plans
+are carried out in client/session_recovery.py. This module holds the public session and its one step function, which
+reads top to bottom whatever path a step takes.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from swarmlm.client.chain import RetryBudget
 from swarmlm.client.loop import LoopThread
 from swarmlm.client.sequence_manager import SequenceManager
 from swarmlm.client.session_links import SpanLink, close_all
+from swarmlm.client.session_plan import plan_rebuild
 from swarmlm.client.session_recovery import Recovery
-from swarmlm.client.session_state import SessionState, SpanState, pushable, split_step
+from swarmlm.client.session_state import SessionState, pushable, split_step
 from swarmlm.client.verify import Opinion, settle
 from swarmlm.errors import BadRequestError, MissingBlocksError, RemoteCallError, SessionClosedError
 from swarmlm.protocol.bundle import SpanTensors
@@ -48,9 +50,9 @@ class InferenceSession:
         active: list[InferenceSession] | None = None, on_trace: Callable[[trace.RequestTrace], None] | None = None,
     ):  # fmt: skip
         self.manager, self.loop = manager, loop
-        self.state = SessionState(start, end, max_length, push=manager.config.use_push)
+        # the session's data, its route included: the links to the servers holding the caches, in block order
+        self.state: SessionState[SpanLink] = SessionState(start, end, max_length, push=manager.config.use_push)
         self.closed = False
-        self._spans: list[SpanLink] = []  # the links to the servers holding the caches, in block order
         self._recovery = Recovery(manager, self.state)
         self._active = active  # the owner's sessions open in `with` blocks (generate() uses the innermost)
         self.last_trace: trace.RequestTrace | None = None  # of the last step
@@ -79,7 +81,7 @@ class InferenceSession:
     @property
     def route(self) -> list[RouteSpan]:
         """The servers holding this session's caches now, in block order (empty before the first step)."""
-        return [link.span for link in self._spans]
+        return [link.span for link in self.state.route]
 
     @property
     def position(self) -> int:
@@ -90,7 +92,7 @@ class InferenceSession:
     def position(self, tokens: int) -> None:
         """Roll back to `tokens` tokens: the servers cut their caches at the next step."""
         self._check_open()
-        self.state.rollback(tokens, self._states())
+        self.state.rollback(tokens)
         self._rolled_back(tokens)
 
     def _rolled_back(self, tokens: int) -> None:
@@ -158,12 +160,6 @@ class InferenceSession:
         if self.closed:
             raise SessionClosedError("this inference session is closed")
 
-    def _states(self) -> list[SpanState]:
-        return [link.state for link in self._spans]
-
-    def _lost(self) -> list[bool]:
-        return [link.lost for link in self._spans]
-
     async def astep(self, inputs: SpanTensors) -> torch.Tensor:
         """step() on the client's loop: inputs.hidden (batch, new tokens, hidden) with what travels with it.
 
@@ -191,19 +187,17 @@ class InferenceSession:
         settle (all of them when it was not pushed); then recorded in every span's history and the position."""
         self._check_open()
         self.state.check_step(inputs)
-        if self.state.is_noop(inputs, self._states(), self._lost()):
+        if self.state.is_noop(inputs):
             return inputs.hidden  # nothing to compute, nothing to cut: no call
         retry = RetryBudget(self.manager)
-        if not self._spans:
-            batch = inputs.hidden.shape[0]
-            self._spans = await self._recovery.open_chain(self.start, self.end, batch, retry)
-            self.state.batch_size = batch
-        await self._recovery.repair(self._spans, retry)
+        if not self.state.route:
+            await self._recovery.open_route(inputs.hidden.shape[0], retry)
+        await self._recovery.repair(retry)
         done, hidden = 0, inputs.hidden
-        if pushable(inputs, self.state, self._states(), self._lost()):
+        if pushable(inputs, self.state):
             done, hidden = await self._pushed(inputs, retry)
         hidden = await self._relayed(inputs, hidden, done, retry)
-        self.state.commit(inputs, self._states())
+        self.state.commit(inputs)
         return hidden
 
     async def _pushed(self, inputs: SpanTensors, retry: RetryBudget) -> tuple[int, torch.Tensor]:
@@ -215,27 +209,27 @@ class InferenceSession:
         except _PushFailed as e:
             logger.warning("Push failed (%s); this session's steps now go through the client", e)
             self.state.push = False
-            await self._recovery.repair(self._spans, retry)
+            await self._recovery.repair(retry)
             return 0, inputs.hidden
         index = 0
         while index < len(outputs):
-            link = self._spans[index]
+            link = self.state.route[index]
             if link.state.pending is None:
                 raise RuntimeError("a pushed step left a span without its step")
             checked = await self._check(link, link.state.pending, outputs[index])
             if checked is not None:
                 hidden, winners = checked
-                self._spans[index : index + 1] = winners
+                self.state.splice(index, 1, winners)
                 return index + len(winners), hidden
             index += 1
-        return len(self._spans), outputs[-1]
+        return len(self.state.route), outputs[-1]
 
     async def _run_pushed(self, inputs: SpanTensors, retry: RetryBudget) -> list[torch.Tensor]:
         """The step sent to the first server only, each server pushing its output to the next; the client reads
         every server's output from its own stream (each span's input, kept for replays; all are returned, for the
         spot checks). On any failure the recovery policy closes the spans that did not answer (a step may still be
         travelling towards them) and _PushFailed is raised: the caller repairs them and relays the step."""
-        spans, position = self._spans, self.position
+        spans, position = self.state.route, self.position
         hops = [link.hop(position) for link in spans[1:]]
         hidden, index, outputs = inputs.hidden, 0, []
         try:
@@ -254,7 +248,7 @@ class InferenceSession:
             raise  # that server refused the step and pushed nothing on; spans before it are cut back next step
         except (RemoteCallError, _PushFailed) as e:
             error = e if isinstance(e, RemoteCallError) else None
-            await self._recovery.after_push_failure(spans, index, error, retry)
+            await self._recovery.after_push_failure(index, error, retry)
             raise _PushFailed(str(e)) from e
         return outputs
 
@@ -263,17 +257,17 @@ class InferenceSession:
     ) -> torch.Tensor:
         """The relayed path from span `index` on (its input: hidden): the client sends the step to each span in turn,
         a failed span is replaced by the recovery policy, and each span's result may be spot-checked."""
-        position = self.position
-        covered = self.start if index == 0 else self._spans[index - 1].span.end
-        while index < len(self._spans):
-            link = self._spans[index]
+        position, route = self.position, self.state.route
+        covered = self.start if index == 0 else route[index - 1].span.end
+        while index < len(route):
+            link = route[index]
             sent = replace(inputs, hidden=hidden)
             try:
                 out = await link.send(sent, link.state.start_from(position), lora=self.state.lora)
             except BadRequestError:
                 raise  # the server kept its cache as it was; spans before this one are cut back at the next step
             except RemoteCallError as e:
-                self._spans[index : index + 1] = await self._recovery.replace_failed(link, e, retry)
+                await self._recovery.replace_failed(index, e, retry)
                 continue
             link.state.ran(sent, position)
             if link.span.start != covered:
@@ -281,9 +275,9 @@ class InferenceSession:
             checked = await self._check(link, sent, out)
             if checked is not None:  # the span's result lost a spot check: the checking links take its place
                 out, winners = checked
-                self._spans[index : index + 1] = winners
+                self.state.splice(index, 1, winners)
                 index += len(winners) - 1
-            hidden, index, covered = out, index + 1, self._spans[index].span.end
+            hidden, index, covered = out, index + 1, route[index].span.end
         if covered != self.end:  # never return hidden states that missed a block
             raise RuntimeError(f"inference step ran blocks {self.start}:{covered} of {self.start}:{self.end}")
         return hidden
@@ -309,7 +303,7 @@ class InferenceSession:
             chain: list[SpanLink] = []
             try:
                 with trace.purpose("check"):
-                    chain = await self._recovery.rebuild(checked, retry)
+                    chain = await self._recovery.rebuild(plan_rebuild(checked), retry)
                     hidden = sent.hidden
                     for link in chain:
                         step = replace(sent, hidden=hidden)
@@ -341,8 +335,7 @@ class InferenceSession:
 
     async def aclose(self) -> None:
         self.closed = True
-        spans, self._spans = self._spans, []
-        await close_all(spans)
+        await self._recovery.close_route()
 
     def close(self) -> None:
         """End the session: the servers free its caches. Further use raises SessionClosedError."""
@@ -350,7 +343,7 @@ class InferenceSession:
             self._active.remove(self)
         if not self.closed:
             self.closed = True
-            if self._spans:
+            if self.state.route:
                 self.loop.run(self.aclose())
 
     def __enter__(self) -> InferenceSession:

@@ -1,8 +1,10 @@
-"""An inference session's recovery policy: which spans to rebuild after a failure, on which servers, and who is blamed.
+"""An inference session's recovery, carried out: the plans of client/session_plan.py executed over the links.
 
 A span whose server failed or whose cache is out of step is rebuilt on a new route by replaying the steps it had
-committed; a span that only ran a step the session did not commit is cut back by its next step instead. Every
-failure counts against the step's RetryBudget (client/chain.py), the one retry policy of the client.
+committed; a span that only ran a step the session did not commit is cut back by its next step instead. What to keep,
+rebuild, close or blame is decided by the plan functions from the session's state; this module opens, replays, closes
+and counts, and edits the session's route only through SessionState.splice. Every failure counts against the step's
+RetryBudget (client/chain.py), the one retry policy of the client.
 """
 
 from __future__ import annotations
@@ -15,6 +17,14 @@ from swarmlm.client import trace
 from swarmlm.client.chain import RetryBudget
 from swarmlm.client.sequence_manager import SequenceManager
 from swarmlm.client.session_links import SpanLink, close_all
+from swarmlm.client.session_plan import (
+    Rebuild,
+    blame_in_replay,
+    plan_push_failure,
+    plan_rebuild,
+    plan_reopen,
+    plan_repair,
+)
 from swarmlm.client.session_state import SessionState
 from swarmlm.client.span_call import fetch_info
 from swarmlm.errors import RemoteCallError
@@ -24,10 +34,20 @@ logger = logging.getLogger(__name__)
 
 
 class Recovery:
-    """Opens, repairs and rebuilds the links of one session (whose state it reads: blocks, batch, LoRA weights)."""
+    """Opens, repairs and rebuilds the route of one session (whose state it reads: blocks, batch, LoRA weights)."""
 
-    def __init__(self, manager: SequenceManager, state: SessionState):
+    def __init__(self, manager: SequenceManager, state: SessionState[SpanLink]):
         self.manager, self.state = manager, state
+
+    async def open_route(self, batch: int, retry: RetryBudget) -> None:
+        """The session's first route, over all its blocks, for steps of `batch` rows."""
+        links = await self.open_chain(self.state.start, self.state.end, batch, retry)
+        self.state.splice(0, len(self.state.route), links)
+        self.state.batch_size = batch
+
+    async def close_route(self) -> None:
+        """Take every link out of the route and close it: the servers free the session's caches."""
+        await close_all(self.state.splice(0, len(self.state.route), []))
 
     async def open_chain(self, start: int, end: int, batch: int, retry: RetryBudget) -> list[SpanLink]:
         """Links over blocks [start, end) on a new route, its spans opened all at once (one round trip, not one per
@@ -43,70 +63,69 @@ class Recovery:
                 opened += links  # closed below by any failure, an interrupted open's included
                 opening = (link.open(batch, max_length) for link in links)
                 results = await asyncio.gather(*opening, return_exceptions=True)
-                errors: list[tuple[SpanLink, RemoteCallError]] = []
-                for link, result in zip(links, results, strict=True):
-                    if isinstance(result, RemoteCallError):
-                        errors.append((link, result))
-                    elif isinstance(result, BaseException):
+                for result in results:
+                    if isinstance(result, BaseException) and not isinstance(result, RemoteCallError):
                         raise result
-                if not errors:
+                reopen = plan_reopen(route, [isinstance(result, RemoteCallError) for result in results])
+                if reopen is None:
                     position = route[-1].end
                     continue
-                first = links.index(errors[0][0])
-                for link in links[first:]:
+                for link in links[reopen.keep :]:
                     opened.remove(link)
                     await link.close()
-                for link, error in errors:
-                    retry.failed(link.span, error)
-                position = route[first].start
+                for link, result in zip(links, results, strict=True):
+                    if isinstance(result, RemoteCallError):
+                        retry.failed(link.span, result)
+                position = reopen.from_block
             return opened
         except BaseException:
             await close_all(opened)
             raise
 
-    async def repair(self, links: list[SpanLink], retry: RetryBudget) -> None:
-        """Bring every span back to the session's position after a failed step (in place): a span that ran it without
-        reordering its cache is cut back by its next step; one that reordered it, or whose server was lost, is
-        rebuilt. If a rebuild fails, the spans not yet repaired stay as they are: the next step retries them."""
-        repaired: list[SpanLink] = []
-        for index, link in enumerate(list(links)):
-            if not link.state.settle_failed_step(link.lost):
-                repaired.append(link)
+    async def repair(self, retry: RetryBudget) -> None:
+        """Bring every span back to the session's position after a failed step, as plan_repair says: a span that ran
+        it without reordering its cache is kept (its next step cuts it back); one that reordered it, or whose server
+        was lost, is rebuilt in its place. If a rebuild fails, the spans not yet repaired stay as they are: the next
+        step retries them."""
+        index = 0  # the hop the plan's next entry is about (a replacement may take more than one hop)
+        for action in plan_repair(self.state):
+            link = self.state.route[index]
+            link.state.settle_failed_step()
+            if action is None:
+                index += 1
                 continue
             await link.drop()
-            try:
-                trace.record_replay()
-                repaired.extend(await self.rebuild(link, retry))
-            except BaseException:
-                links[:] = repaired + links[index:]
-                raise
-        links[:] = repaired
+            trace.record_replay()
+            replacement = await self.rebuild(action, retry)
+            self.state.splice(index, 1, replacement)
+            index += len(replacement)
 
-    async def replace_failed(self, link: SpanLink, error: RemoteCallError, retry: RetryBudget) -> list[SpanLink]:
-        """A span's server failed a step: close its link, count the failure, and return its rebuilt replacement."""
+    async def replace_failed(self, index: int, error: RemoteCallError, retry: RetryBudget) -> None:
+        """The server of hop `index` failed a step: close its link, count the failure, and put its rebuilt
+        replacement in its place."""
+        link = self.state.route[index]
         link.state.broken = True
         await link.close()
         retry.failed(link.span, error)
         trace.record_replay()
-        return await self.rebuild(link, retry)
+        self.state.splice(index, 1, await self.rebuild(plan_rebuild(link), retry))
 
-    async def rebuild(self, lost: SpanLink, retry: RetryBudget) -> list[SpanLink]:
-        """Links on a new route for the lost span's blocks, their caches rebuilt from the steps it had committed."""
-        batch, span = self.state.batch_size, lost.span
+    async def rebuild(self, plan: Rebuild, retry: RetryBudget) -> list[SpanLink]:
+        """Links on a new route for the plan's blocks, their caches rebuilt from the steps the lost span had
+        committed (the caller puts them in the route, or not: a spot check's links are only candidates)."""
+        batch = self.state.batch_size
         if batch is None:
             raise RuntimeError("only a span of an open inference route can be rebuilt")
         while True:
-            replacement = await self.open_chain(span.start, span.end, batch, retry)
+            replacement = await self.open_chain(plan.start, plan.end, batch, retry)
             try:
-                # one step per run of steps: a replay costs a few round trips, not one per token generated
-                for step in lost.state.replay_plan(self.manager.request_limit(span.start, span.end)):
+                for step in plan.requests(self.manager.request_limit(plan.start, plan.end)):
                     await self._replay(replacement, step)
-                logger.info("Rebuilt blocks %d:%d from %d steps", span.start, span.end, len(lost.state.history))
+                logger.info("Rebuilt blocks %d:%d from %d steps", plan.start, plan.end, len(plan.history))
                 return replacement
             except RemoteCallError as e:
                 await close_all(replacement)
-                failed = next((s.span for s in replacement if s.span.peer_id == e.peer_id), span)
-                retry.failed(failed, e)
+                retry.failed(blame_in_replay(plan, [link.span for link in replacement], e.peer_id), e)
             except BaseException:
                 await close_all(replacement)
                 raise
@@ -118,28 +137,17 @@ class Recovery:
             hidden = await link.send(sent, lora=self.state.lora)
             link.state.replayed(sent)
 
-    async def after_push_failure(
-        self, links: list[SpanLink], index: int, error: RemoteCallError | None, retry: RetryBudget
-    ) -> None:
-        """A pushed step failed at links[index] (error: its call failed; None: it could not push on). Close what may
-        still receive the step, then count the failure (which may end the step)."""
-        silent = error.peer_id if error is not None else None
-        later = [i for i in range(index + 1, len(links)) if links[i].span.peer_id == silent]
-        if error is not None and later:
-            # a server the step was pushed on to went silent while this one waited for it: everything from here is
-            # rebuilt (the step may still be on its way), and the failure is that server's, not this one's
-            await drop_after(links, index)
-            retry.failed(links[later[0]].span, error)
-            return
-        if error is not None and index > 0 and error.peer_id == links[index - 1].span.peer_id:
-            index -= 1  # the server that should have pushed went silent: its cache is lost to us as well
-            await drop_after(links, index)
-        else:
-            await drop_after(links, index if links[index].state.pending is None else index + 1)
-        if error is not None:
-            retry.failed(links[index].span, error)
-        elif index + 1 < len(links):
-            await self.blame_if_gone(links[index + 1], retry)
+    async def after_push_failure(self, index: int, error: RemoteCallError | None, retry: RetryBudget) -> None:
+        """A pushed step failed at hop `index` (error: its call failed; None: it could not push on). Close what may
+        still receive the step, then count the failure (which may end the step), as plan_push_failure says."""
+        plan = plan_push_failure(self.state, index, error is not None, None if error is None else error.peer_id)
+        route = self.state.route
+        for link in route[plan.drop_from :]:
+            await link.drop()  # rebuilt by the next step's repair
+        if error is not None and plan.blame is not None:
+            retry.failed(route[plan.blame].span, error)
+        elif plan.ask is not None:
+            await self.blame_if_gone(route[plan.ask], retry)
 
     async def blame_if_gone(self, link: SpanLink, retry: RetryBudget) -> None:
         """A server could not push to this one: the client asks it itself, and counts it failed only if it does not
@@ -151,9 +159,3 @@ class Recovery:
             retry.failed(link.span, RemoteCallError("no answer after a failed push to it", peer_id))
         except RemoteCallError as e:
             retry.failed(link.span, e)
-
-
-async def drop_after(links: list[SpanLink], index: int) -> None:
-    """Close the links of links[index:] (they are rebuilt by the next step's repair)."""
-    for link in links[index:]:
-        await link.drop()

@@ -1,14 +1,16 @@
-"""Inference sessions as data: the steps each span's cache holds, the session's position, rollbacks and replays."""
+"""Inference sessions as data: the route, the steps each span's cache holds, the position, rollbacks and replays."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Generic, Protocol, TypeVar
 
 import torch
 
 from swarmlm.protocol.bundle import SpanTensors
 from swarmlm.protocol.lora import LoraWeights
+from swarmlm.swarm.routing import RouteSpan
 
 
 def cut_step(step: SpanTensors, begin: int, keep: int) -> SpanTensors:
@@ -117,12 +119,16 @@ class SpanState:
         """Whether the server must be cut back or rebuilt before it runs a step at `position`."""
         return self.tokens != position or self.pending is not None or lost
 
-    def settle_failed_step(self, lost: bool) -> bool:
-        """After a step failed: forget a pending step that the server can cut back by itself (one that did not reorder
-        its cache rows); True when the span must be rebuilt elsewhere (it reordered them, or its cache is lost)."""
+    def must_rebuild(self, lost: bool) -> bool:
+        """After a step failed: whether the span must be rebuilt elsewhere (it ran a step that reordered its cache
+        rows, which its server cannot undo, or its cache is lost); otherwise its next step cuts it back."""
+        return (self.pending is not None and self.pending.hypo_ids is not None) or lost
+
+    def settle_failed_step(self) -> None:
+        """After a step failed: forget a pending step that the server can cut back by itself (one that did not
+        reorder its cache rows)."""
         if self.pending is not None and self.pending.hypo_ids is None:
             self.pending = None
-        return self.pending is not None or lost
 
     def commit(self, step_counts: bool) -> None:
         """The session committed the step this span holds pending (kept in the history unless it counts for nothing:
@@ -131,14 +137,27 @@ class SpanState:
             self.history.append(self.pending)
         self.pending = None
 
-    def replay_plan(self, max_tokens: int) -> list[SpanTensors]:
-        """The steps that rebuild this span's cache on other servers, in as few requests as max_tokens allows."""
-        return merge_history(self.history, max_tokens)
+
+class Hop(Protocol):
+    """One span of a session's route as the state reads it: the server and blocks, what its cache holds, and whether
+    that cache is lost to us (the session's links to servers are hops; unit tests use plain data)."""
+
+    @property
+    def span(self) -> RouteSpan: ...
+
+    @property
+    def state(self) -> SpanState: ...
+
+    @property
+    def lost(self) -> bool: ...
+
+
+H = TypeVar("H", bound=Hop)
 
 
 @dataclass
-class SessionState:
-    """A session's position over blocks [start, end) and the limits every step is checked against."""
+class SessionState(Generic[H]):
+    """A session's position over blocks [start, end), its route, and the limits every step is checked against."""
 
     start: int  # first block
     end: int  # block after the last
@@ -147,6 +166,21 @@ class SessionState:
     batch_size: int | None = None  # rows, known once the route is open
     push: bool = True  # steps may go from server to server (off for the rest of the session after a push fails)
     lora: LoraWeights | None = None  # weights every server applies (sent once to each, again to replacements)
+    # the hops holding the session's caches, in block order (empty until the first step opens them); only splice()
+    # changes it, so that every failover, replacement and close reads as one edit of the route
+    route: list[H] = field(default_factory=list)
+
+    def splice(self, index: int, count: int, hops: Sequence[H]) -> list[H]:
+        """Put `hops` in place of route[index : index + count]; returns the hops taken out (the caller closes them)."""
+        if not 0 <= index <= index + count <= len(self.route):
+            raise IndexError(f"cannot replace hops {index}:{index + count} of a route of {len(self.route)}")
+        removed = self.route[index : index + count]
+        self.route[index : index + count] = hops
+        return removed
+
+    def spans(self) -> list[SpanState]:
+        """What each hop's cache holds, in block order."""
+        return [hop.state for hop in self.route]
 
     def check_step(self, step: SpanTensors) -> None:
         """Refuse a step that the session cannot hold (ValueError)."""
@@ -156,21 +190,22 @@ class SessionState:
         if self.batch_size is not None and batch != self.batch_size:
             raise ValueError(f"step has batch {batch}; the session was opened for batch {self.batch_size}")
 
-    def is_noop(self, step: SpanTensors, spans: Sequence[SpanState], lost: Sequence[bool]) -> bool:
+    def is_noop(self, step: SpanTensors) -> bool:
         """Whether a step has nothing to compute and nothing to cut (then it makes no call)."""
-        behind = any(span.behind(self.position, gone) for span, gone in zip(spans, lost, strict=True))
+        behind = any(hop.state.behind(self.position, hop.lost) for hop in self.route)
         return step.hidden.shape[1] == 0 and step.hypo_ids is None and not behind
 
-    def rollback(self, tokens: int, spans: Sequence[SpanState]) -> None:
+    def rollback(self, tokens: int) -> None:
         """Roll back to `tokens` tokens: the spans' histories are cut now, their servers' caches at the next step."""
         if not 0 <= tokens <= self.position:
             raise ValueError(f"position must lie in [0, {self.position}], got {tokens}")
-        for span in spans:
+        for span in self.spans():
             span.history = cut_history(span.history, tokens)
         self.position = tokens
 
-    def covers(self, spans: Sequence[SpanState]) -> bool:
-        """Whether the spans chain block after block from the session's first block to its last."""
+    def covers(self) -> bool:
+        """Whether the route's spans chain block after block from the session's first block to its last."""
+        spans = self.spans()
         return (
             bool(spans)
             and spans[0].start == self.start
@@ -178,8 +213,9 @@ class SessionState:
             and all(a.end == b.start for a, b in zip(spans, spans[1:], strict=False))
         )
 
-    def commit(self, step: SpanTensors, spans: Sequence[SpanState]) -> None:
+    def commit(self, step: SpanTensors) -> None:
         """Every span ran `step` (each as it received it): it joins their histories and the position advances."""
+        spans = self.spans()
         for span in spans:
             if span.pending is None:  # every path of a step leaves each span holding the step it ran
                 raise RuntimeError(f"inference span {span.start}:{span.end} ran no step")
@@ -189,17 +225,17 @@ class SessionState:
         self.position += step.hidden.shape[1]
 
 
-def pushable(step: SpanTensors, state: SessionState, spans: Sequence[SpanState], lost: Sequence[bool]) -> bool:
+def pushable(step: SpanTensors, state: SessionState[H]) -> bool:
     """Whether a step can be pushed from server to server: pushing is on, and a plain step (no reorder, prompts or
     LoRA weights) goes over more than one span that cover the session's blocks in order, none of them lost or
     holding an uncommitted step."""
     return (
         state.push
-        and len(spans) > 1
+        and len(state.route) > 1
         and step.hidden.shape[1] > 0
         and step.hypo_ids is None
         and step.prompts is None
         and state.lora is None
-        and not any(gone or span.pending is not None for span, gone in zip(spans, lost, strict=True))
-        and state.covers(spans)
+        and not any(hop.lost or hop.state.pending is not None for hop in state.route)
+        and state.covers()
     )
