@@ -210,7 +210,10 @@ class SequenceManager:
                 raise lacking
             waited = time.monotonic() - began
             self._give_up_if_full(views, request, known, waited)
-            if waited >= self.config.missing_blocks_timeout_s or not spread:  # a spot check never waits for servers
+            # a spot check never waits for servers; blocks that only busy servers hold are the swarm being full, not
+            # missing: busy_wait_s applies to them (_give_up_if_full)
+            timed_out = waited >= self.config.missing_blocks_timeout_s and not self._only_busy(views, request, known)
+            if timed_out or not spread:
                 missing = missing_blocks(views, start, end, banned=known.banned)
                 raise MissingBlocksError(missing or list(range(start, end)), waited)
             await asyncio.sleep(MISSING_BLOCKS_POLL_S)
@@ -244,12 +247,15 @@ class SequenceManager:
         self, views: list[ServerView], request: RouteRequest, known: Knowledge, waited: float
     ) -> None:
         """Raise SwarmBusyError once busy_wait_s passed while only servers that answered busy could serve."""
-        if not known.busy or waited < self.config.busy_wait_s:
-            return
-        if choose_route(views, request, replace(known, busy=frozenset()), None) is None:
-            return  # blocks are missing whoever has room: MissingBlocksError's wait applies
+        if waited < self.config.busy_wait_s or not self._only_busy(views, request, known):
+            return  # (blocks missing whoever has room: MissingBlocksError's wait applies)
         retry_s = self.health.cooling_left_s()
         raise SwarmBusyError(request.start, request.end, waited, retry_s)
+
+    @staticmethod
+    def _only_busy(views: list[ServerView], request: RouteRequest, known: Knowledge) -> bool:
+        """Whether a route exists, but only through servers cooling down after a busy answer."""
+        return bool(known.busy) and choose_route(views, request, replace(known, busy=frozenset()), None) is not None
 
     async def measure_unknown(self, start: int, end: int) -> None:
         """Time a round trip to each server of blocks [start, end) this client never measured, so that the first
