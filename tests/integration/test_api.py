@@ -346,8 +346,9 @@ def local_logprobs(reference: torch.nn.Module, prompt: list[int], new_tokens: in
     return out[0, len(prompt) :].tolist(), torch.log_softmax(logits.float(), dim=-1)
 
 
-def check_against(logprobs: list[float], tops: list[list[tuple[str, float]]], tokens: list[int],
-                  local: torch.Tensor, count: int) -> None:  # fmt: skip
+def check_against(
+    logprobs: list[float], tops: list[list[tuple[str, float]]], tokens: list[int], local: torch.Tensor, count: int
+) -> None:
     """The swarm's greedy tokens' log-probabilities and alternatives equal the local model's to 1e-4."""
     assert len(logprobs) == len(tops) == len(tokens)
     for place, (logprob, top, token) in enumerate(zip(logprobs, tops, tokens, strict=True)):
@@ -364,8 +365,9 @@ def test_chat_logprobs_equal_the_local_models_streamed_or_not(
     client: openai.OpenAI, reference: torch.nn.Module, tokenizer: Any
 ) -> None:
     question = QUESTIONS[0]
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                           return_dict=True)["input_ids"]  # fmt: skip
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, return_dict=True
+    )["input_ids"]
     tokens, local = local_logprobs(reference, list(prompt), NEW_TOKENS)
     assert tokens[-1] == tokenizer.eos_token_id  # the answer ends within NEW_TOKENS: its end has an entry too
     reply = ask(client, question, logprobs=True, top_logprobs=5)
@@ -395,8 +397,9 @@ def test_completion_logprobs_equal_the_local_models_streamed_or_not(
     tops = [sorted(top.items(), key=lambda item: -item[1]) for top in lists.top_logprobs]
     assert [top[0][0] for top in tops] == lists.tokens  # greedy: each chosen token is the likeliest of its place
     check_against(lists.token_logprobs, tops, tokens, local, 3)
-    streamed = client.completions.create(model=NAME, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0, logprobs=1,
-                                         stream=True)  # fmt: skip
+    streamed = client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0, logprobs=1, stream=True
+    )
     parts = [chunk.choices[0].logprobs for chunk in streamed if chunk.choices[0].logprobs]
     assert [offset for part in parts for offset in part.text_offset] == lists.text_offset
     tops = [list(top.items()) for part in parts for top in part.top_logprobs]
@@ -585,8 +588,9 @@ STEP_LINE = re.compile(r"inference step blocks=(\d+):(\d+) tokens=(\d+) past=(\d
 
 def step_lines(swarm: LocalSwarm) -> list[list[tuple[int, ...]]]:
     """Per server, the inference steps in its log so far: (start, end, tokens, past)."""
-    return [[tuple(map(int, m)) for m in STEP_LINE.findall(s.log_path.read_text(errors="replace"))]
-            for s in swarm.servers]  # fmt: skip
+    return [
+        [tuple(map(int, m)) for m in STEP_LINE.findall(s.log_path.read_text(errors="replace"))] for s in swarm.servers
+    ]
 
 
 def new_steps(swarm: LocalSwarm, before: list[list[tuple[int, ...]]], count: int) -> list[list[tuple[int, ...]]]:
@@ -625,14 +629,16 @@ def test_echo_gives_the_prompts_log_probabilities_from_one_forward_through_the_s
         assert len(top) in (2, 3) and max(abs(a - b) for a, b in zip(top, expected, strict=False)) < 1e-4
     assert (scored.usage.prompt_tokens, scored.usage.completion_tokens) == (len(ids), 0)
     answer, _, tokens = local_answer(text, chat=False)
-    generated = client.completions.create(model=NAME, prompt=text, echo=True, logprobs=2, max_tokens=NEW_TOKENS,
-                                          temperature=0)  # fmt: skip
+    generated = client.completions.create(
+        model=NAME, prompt=text, echo=True, logprobs=2, max_tokens=NEW_TOKENS, temperature=0
+    )
     lists = generated.choices[0].logprobs
     assert generated.choices[0].text == text + answer and len(lists.tokens) == len(ids) + tokens
     assert lists.token_logprobs[: len(ids)] == pytest.approx(scored.choices[0].logprobs.token_logprobs, abs=1e-5)
     assert lists.text_offset == [len("".join(lists.tokens[:place])) for place in range(len(lists.tokens))]
-    streamed = client.completions.create(model=NAME, prompt=text, echo=True, max_tokens=NEW_TOKENS, temperature=0,
-                                         stream=True)  # fmt: skip
+    streamed = client.completions.create(
+        model=NAME, prompt=text, echo=True, max_tokens=NEW_TOKENS, temperature=0, stream=True
+    )
     assert "".join(chunk.choices[0].text for chunk in streamed) == text + answer
 
 
@@ -703,8 +709,9 @@ def test_penalties_and_logit_bias_at_temperature_0_equal_local_greedy_decoding_w
         vllm = ("top_k", "min_p", "repetition_penalty")  # not the SDK's arguments: sent as extra_body
         official = {k: v for k, v in rules.items() if k not in vllm}
         extra = {k: v for k, v in rules.items() if k in vllm}
-        reply = client.completions.create(model=NAME, prompt=text, max_tokens=new_tokens, temperature=0,
-                                          extra_body=extra, **official)  # fmt: skip
+        reply = client.completions.create(
+            model=NAME, prompt=text, max_tokens=new_tokens, temperature=0, extra_body=extra, **official
+        )
         assert reply.choices[0].text == expected, rules
 
 
@@ -712,8 +719,9 @@ def test_an_answer_that_ends_at_once_keeps_its_logprobs_entry(
     client: openai.OpenAI, reference: torch.nn.Module, tokenizer: Any
 ) -> None:
     question = QUESTIONS[0]
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                           return_dict=True)["input_ids"]  # fmt: skip
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, return_dict=True
+    )["input_ids"]
     with torch.inference_mode():
         local = torch.log_softmax(reference(torch.tensor([prompt])).logits[0, -1].float(), dim=-1)
     eos = tokenizer.eos_token_id

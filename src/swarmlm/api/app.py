@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import hmac
+import ipaddress
 import json
 import logging
 import time
@@ -50,6 +52,11 @@ PAGES = {"/": ("index.html", "text/html"), "/monitor.js": ("monitor.js", "applic
 # the paths an API key guards: those that spend the swarm's compute. The monitor (page and JSON) shows what any
 # member of the swarm reads from its DHT, /health is for load balancers and /metrics for scrapers, which send no key
 KEYED_PREFIX = "/v1/"
+# where api_key_check leaves the user a request's key stands for
+USER_KEY = web.RequestKey("swarmlm_user", str)
+# IPv6 clients are one user per /64 network: one machine gets a whole /64 as easily as one address (as servers group
+# their peers' hosts, server/fairness.py)
+IPV6_USER_PREFIX = 64
 
 
 def openai_errors(metrics: ApiMetrics | None = None) -> Any:
@@ -82,10 +89,15 @@ def openai_errors(metrics: ApiMetrics | None = None) -> Any:
     return middleware
 
 
-def api_key_check(api_key: str) -> Any:
-    """A middleware: requests to the API's paths must carry `Authorization: Bearer <api_key>` (as OpenAI's clients
-    send their api_key), else they get a 401 in OpenAI's shape."""
-    expected = api_key.encode()
+def key_user(api_key: str) -> str:
+    """The user an API key stands for: a digest of it, so that no log or figure shows the key."""
+    return "key:" + hashlib.sha256(api_key.encode()).hexdigest()[:12]
+
+
+def api_key_check(api_keys: Sequence[str]) -> Any:
+    """A middleware: requests to the API's paths must carry `Authorization: Bearer <key>` with one of `api_keys` (as
+    OpenAI's clients send their api_key), else they get a 401 in OpenAI's shape. The key names the request's user."""
+    expected = [(key.encode(), key_user(key)) for key in api_keys]
 
     @web.middleware
     async def middleware(request: web.Request, handler: Any) -> web.StreamResponse:
@@ -94,16 +106,39 @@ def api_key_check(api_key: str) -> Any:
             if scheme.lower() != "bearer" or not given:
                 raise ApiError(401, "You didn't provide an API key: send it as 'Authorization: Bearer KEY'.",
                                code="invalid_api_key")  # fmt: skip
-            if not hmac.compare_digest(given.strip().encode(), expected):  # in constant time: no guessing by timing
+            presented, user = given.strip().encode(), None
+            for key, name in expected:  # each compared in constant time, and all of them: no guessing by timing
+                if hmac.compare_digest(presented, key):
+                    user = name
+            if user is None:
                 raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
+            request[USER_KEY] = user
         return await handler(request)
 
     return middleware
 
 
 def user_of(request: web.Request) -> str:
-    """Who a request is from, for sharing the API's slots fairly (api/fair.py): the client's address."""
-    return request.remote or "unknown"
+    """Who a request is from, for sharing the API's slots (api/fair.py) and cache (api/cache_share.py) fairly: the API
+    key it presented when keys are on, else the client's address (its /64 network for IPv6). Never the body's `user`
+    field: any client may write any name there."""
+    user = request.get(USER_KEY)
+    if user is not None:
+        return user
+    return address_user(request.remote or "unknown")
+
+
+def address_user(address: str) -> str:
+    """The user of a client address: the address, an IPv6 one as its /64 network."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:  # an IPv4 client of a dual-stack socket
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.ip_network(f"{ip}/{IPV6_USER_PREFIX}", strict=False))
+    return str(ip)
 
 
 def swarm_error(error: Exception) -> ApiError:
@@ -128,16 +163,16 @@ class Routes:
 
     def __init__(
         self, engine: Engine | None, model_names: tuple[str, ...], monitor: Monitor, body_timeout_s: float = 15.0,
-        api_key: str | None = None,
+        api_keys: tuple[str, ...] = (),
     ):  # fmt: skip
-        self.engine, self.model_names, self.monitor, self.api_key = engine, model_names, monitor, api_key
+        self.engine, self.model_names, self.monitor, self.api_keys = engine, model_names, monitor, api_keys
         self.body_timeout_s = body_timeout_s  # longest a request's body may take to arrive
         self.created = int(time.time())
         self.names = None if engine is None else TokenNames(engine.tokenizer)
 
     def app(self) -> web.Application:
         metrics = None if self.engine is None else self.engine.metrics
-        middlewares = [openai_errors(metrics)] + ([api_key_check(self.api_key)] if self.api_key else [])
+        middlewares = [openai_errors(metrics)] + ([api_key_check(self.api_keys)] if self.api_keys else [])
         app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
         for path in PAGES:
             app.router.add_get(path, self.page)

@@ -22,10 +22,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from swarmlm.api.cache_share import CacheBusyError, CacheLedger
+from swarmlm.api.choices import ChoiceText, SamplingParams, next_tokens
 from swarmlm.api.fair import FairSlots
 from swarmlm.api.grammar import Grammars, masked
 from swarmlm.api.metrics import ApiMetrics
-from swarmlm.api.sampling import LogitRules, Penalties, filtered_probs
+from swarmlm.api.sampling import Penalties
 from swarmlm.api.scoring import TokenLogprob, prompt_logprobs, token_logprobs
 from swarmlm.client.model import DistributedCausalLMMixin
 
@@ -59,19 +61,6 @@ class ShuttingDownError(RuntimeError):
 
     def __init__(self) -> None:
         super().__init__("the API server is shutting down")
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_new_tokens: int  # tokens generated per choice at most
-    temperature: float = 1.0  # 0: greedy
-    top_p: float = 1.0  # nucleus sampling: smallest set of tokens whose probability reaches top_p
-    stop: tuple[str, ...] = ()  # the text ends before the first of these
-    seed: int | None = None  # same seed, same request: same text
-    n: int = 1  # choices, generated as the rows of one session
-    logprobs: int | None = None  # None: no log-probabilities; k: each token's, with its k most likely alternatives
-    rules: LogitRules = LogitRules()  # logit_bias, penalties, top_k, min_p
-    grammar: str | None = None  # llguidance grammar every choice must follow (api/grammar.py); None: free text
 
 
 @dataclass(frozen=True)
@@ -111,59 +100,6 @@ class RequestStats:
     outcome: str  # "ok", "cancelled" or the error's class name
 
 
-class ChoiceText:
-    """The text of one choice as its tokens arrive: held back while it may still turn into a stop string or ends
-    inside a multi-byte character; cut before the first stop string."""
-
-    def __init__(self, tokenizer: Any, stop: tuple[str, ...], eos_ids: frozenset[int]):
-        self.tokenizer, self.stop, self.eos_ids = tokenizer, stop, eos_ids
-        self.hold = max((len(s) for s in stop), default=1) - 1
-        self.tokens: list[int] = []
-        self.emitted = 0  # characters of the text already handed out
-        self.decoded = 0  # characters of the whole text decoded so far (where the next token's text begins)
-        self.finish_reason: str | None = None
-
-    def add(self, token: int) -> str:
-        """Text newly safe to hand out after `token` (sets finish_reason when the choice ends)."""
-        self.tokens.append(token)
-        if token in self.eos_ids:
-            self.finish_reason = "stop"
-            return self._flush(self._text())
-        text = self._text()
-        search_from = max(0, self.emitted - self.hold)
-        cuts = [i for i in (text.find(s, search_from) for s in self.stop) if i >= 0]
-        if cuts:
-            self.finish_reason = "stop"
-            return self._flush(text[: min(cuts)])
-        if text.endswith("\ufffd"):  # the last token ends inside a character: wait for the rest
-            return ""
-        safe = max(self.emitted, len(text) - self.hold)
-        new, self.emitted = text[self.emitted : safe], safe
-        return new
-
-    def finish(self, reason: str) -> str:
-        self.finish_reason = reason
-        return self._flush(self._text())
-
-    def _text(self) -> str:
-        text: str = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        self.decoded = len(text)
-        return text
-
-    def _flush(self, text: str) -> str:
-        new, self.emitted = text[self.emitted :], len(text)
-        return new
-
-
-def next_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
-    """(rows, vocab) logits (bias and penalties applied) -> (rows,) token ids: argmax at temperature 0, else sampled
-    after min_p, top_k and top_p (api/sampling.py)."""
-    if params.temperature == 0:
-        return logits.argmax(-1)
-    probs = filtered_probs(logits, params.temperature, params.top_p, params.rules)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-
-
 _END = object()
 
 
@@ -178,12 +114,16 @@ class Engine:
     # a session first holds the prompt and this many new tokens on the servers, and grows when they are used (the
     # history replayed into a larger one), so a request asking for the whole context does not hold it from the start
     initial_reserve: int = INITIAL_RESERVE
+    # session tokens (batch x length) the API's sessions may hold on the servers, shared by its users
+    # (api/cache_share.py); None: unknown yet, nothing is bounded
+    cache_budget_tokens: Callable[[], int | None] = lambda: None
     recent: deque[RequestStats] = field(default_factory=lambda: deque(maxlen=RECENT_REQUESTS))
     metrics: ApiMetrics = field(default_factory=ApiMetrics)  # what GET /metrics reports
     route: list[tuple[str, int, int]] = field(default_factory=list)  # (peer, start, end) of the last session opened
 
     def __post_init__(self) -> None:
         self._slots = FairSlots(self.max_concurrent)  # shared by users, on the client's loop only
+        self.cache = CacheLedger(self.cache_budget_tokens)  # the servers' cache, shared by users (client's loop)
         self._tasks: set[asyncio.Task[None]] = set()  # requests generating or waiting for a slot (client's loop)
         self.closing = False
         self.generating = 0  # requests holding a slot, each with its inference session (client's loop)
@@ -291,7 +231,7 @@ class Engine:
                 if not cancelled.is_set():
                     self.generating += 1
                     try:
-                        await self._generate(prompt, params, emit, cancelled, stats, echo)
+                        await self._generate(prompt, params, emit, cancelled, stats, user, echo)
                     finally:
                         self.generating -= 1
             if not cancelled.is_set():
@@ -315,6 +255,7 @@ class Engine:
         emit: Callable[[object], None],
         cancelled: threading.Event,
         stats: dict[str, Any],
+        user: str,
         echo: Echo | None = None,
     ) -> None:
         generator = torch.Generator().manual_seed(random.getrandbits(63) if params.seed is None else params.seed)
@@ -326,7 +267,8 @@ class Engine:
             for index in range(params.n):
                 emit(Delta(index, echo.text))
         if params.max_new_tokens > 0 or scores_prompt:
-            await self._decode(prompt, params, emit, cancelled, stats, (generator, choices, pending, shift), echo)
+            state = (generator, choices, pending, shift)
+            await self._decode(prompt, params, emit, cancelled, stats, state, user, echo)
         if cancelled.is_set():
             return
         for index, choice in enumerate(choices):
@@ -342,13 +284,17 @@ class Engine:
         cancelled: threading.Event,
         stats: dict[str, Any],
         state: tuple[torch.Generator, list[ChoiceText], list[list[TokenLogprob]], int],
+        user: str,
         echo: Echo | None,
     ) -> None:
         """The prompt's forward, then token after token through one inference session until every choice ends or
-        max_new_tokens are made."""
+        max_new_tokens are made. The session's room comes from the user's share of the API's cache (CacheBusyError
+        when none comes free in time); when it is used up, or the share asks it back, the session closes and the
+        tokens so far are replayed into a new one once room is granted (the choices end "length" if none is)."""
         generator, choices, pending, shift = state
         ids = torch.tensor([prompt] * params.n, dtype=torch.long)  # (n, tokens)
         reserved = reservation(len(prompt), 0, params.max_new_tokens, 0, self.initial_reserve)
+        lease = await self.cache.acquire(user, params.n * reserved)
         session = self.model.inference_session(max_length=reserved)
         try:
             if cancelled.is_set():
@@ -363,11 +309,17 @@ class Engine:
                 if generated:
                     if cancelled.is_set():
                         return
-                    if len(prompt) + generated > reserved:  # the servers' cache holds no more: a larger session
-                        reserved = reservation(
-                            len(prompt), generated, params.max_new_tokens, reserved, self.initial_reserve
-                        )
+                    if lease.paused or len(prompt) + generated > reserved:  # room asked back, or used up
+                        if len(prompt) + generated > reserved:
+                            reserved = reservation(
+                                len(prompt), generated, params.max_new_tokens, reserved, self.initial_reserve
+                            )
                         await session.aclose()
+                        self.cache.release(lease)
+                        try:
+                            lease = await self.cache.acquire(user, params.n * reserved)
+                        except CacheBusyError:
+                            return  # no room in time: the answer so far, ended "length"
                         session = self.model.inference_session(max_length=reserved)  # replays the tokens so far
                     logits = await self.model.anext_logits(session, ids)  # (n, vocab)
                 with torch.inference_mode():
@@ -392,6 +344,7 @@ class Engine:
                 ids = torch.cat([ids, chosen[:, None]], dim=1)
         finally:
             await session.aclose()
+            self.cache.release(lease)
 
     async def _first_logits(
         self,

@@ -15,11 +15,13 @@ from typing import Any
 from aiohttp import web
 
 from swarmlm.api.app import Routes
+from swarmlm.api.cache_share import swarm_budget
 from swarmlm.api.engine import Engine
 from swarmlm.api.monitor import Monitor, short_id
 from swarmlm.api.status import client_dht
 from swarmlm.checks import check_can_listen
 from swarmlm.client.model import AutoDistributedModelForCausalLM, DistributedCausalLMMixin
+from swarmlm.client.sequence_manager import SequenceManager
 from swarmlm.errors import SwarmError
 from swarmlm.models.loading import load_config, load_tokenizer, resolve_model
 from swarmlm.models.naming import model_name
@@ -51,7 +53,10 @@ class ApiOptions:
     http_timeout_s: float = HTTP_TIMEOUT_S  # longest a request's headers, or its body, may take to arrive
     revision: str | None = None  # branch, tag or commit of a Hub model (None: its default branch)
     swarm_key: bytes | None = None  # the secret of the private swarm to use (None: an open swarm)
-    api_key: str | None = None  # requests to /v1/ must carry it as a bearer token (None: no key asked)
+    api_keys: tuple[str, ...] = ()  # requests to /v1/ must carry one as a bearer token, which names their user
+    # session tokens (batch x length) the API's requests may hold on the servers, shared by its users (None: the
+    # share of the servers' announced caches that one peer may hold, api/cache_share.py)
+    cache_budget_tokens: int | None = None
 
 
 def served_names(model: str, served_name: str | None, model_dir: Path | None = None) -> tuple[str, ...]:
@@ -86,6 +91,19 @@ def client_info(model: DistributedCausalLMMixin, engine: Engine) -> dict[str, An
     return {"route": route, "recent": recent}
 
 
+def cache_budget(manager: SequenceManager, fixed: int | None) -> Callable[[], int | None]:
+    """The API's cache budget in session tokens, as the ledger reads it on the client's loop: `fixed`, else what the
+    servers in view announce (None while no server of some block announces a cache)."""
+
+    def budget() -> int | None:
+        if fixed is not None:
+            return fixed
+        spans = [(record.start, record.end, record.cache_tokens_total) for record in manager.servers.values()]
+        return swarm_budget(spans, manager.num_blocks) or None
+
+    return budget
+
+
 def run_api(options: ApiOptions, on_ready: Callable[[str], None] | None = None) -> None:
     """Serve the API until SIGINT/SIGTERM; `on_ready` is called with the base URL once it listens (the port it got,
     when asked for port 0)."""
@@ -99,13 +117,14 @@ def run_api(options: ApiOptions, on_ready: Callable[[str], None] | None = None) 
         missing_blocks_timeout_s=options.missing_blocks_timeout_s, dht_prefix=dht_prefix, swarm_key=options.swarm_key,
     ) as model:  # fmt: skip
         config = load_config(model_dir)
-        engine = Engine(model, load_tokenizer(model_dir), config.max_position_embeddings, options.max_concurrent)
         manager = model._client().manager
+        engine = Engine(model, load_tokenizer(model_dir), config.max_position_embeddings, options.max_concurrent,
+                        cache_budget_tokens=cache_budget(manager, options.cache_budget_tokens))  # fmt: skip
         if manager.dht is None:
             raise RuntimeError("the model's client has no DHT")
         monitor = Monitor(manager.dht, lambda: client_info(model, engine), options.swarm_key)
         try:
-            routes = Routes(engine, names, monitor, options.http_timeout_s, options.api_key)
+            routes = Routes(engine, names, monitor, options.http_timeout_s, options.api_keys)
             asyncio.run(_serve(routes, monitor, options.host, options.port, READY_LINE, on_ready, engine.close,
                                options.http_timeout_s, show_monitor=True))  # fmt: skip
         finally:

@@ -141,7 +141,7 @@ def _check_http_listen(args: argparse.Namespace) -> None:
 
 
 def _check_api(args: argparse.Namespace) -> None:
-    if args.api_key is not None and not args.api_key.strip():
+    if any(not key.strip() for key in args.api_key or []):
         raise ConfigError("--api-key: empty; give a key, or leave the flag out to ask none")
     _check_http_listen(args)
 

@@ -30,14 +30,13 @@ def parse_blocks(text: str) -> tuple[int, int]:
 
 # the ServerConfig options a DHT node takes too
 LOG_REQUESTS_VARIABLE = "SWARMLM_LOG_REQUESTS"  # `serve --log-requests` for every server started with it set
-NETWORK_OPTIONS = (
-    "new_swarm", "initial_peers", "host", "port", "swarm_key", "identity_path", "reconnect_interval_s"
-)  # fmt: skip
+NETWORK_OPTIONS = ("new_swarm", "initial_peers", "host", "port", "swarm_key", "identity_path", "reconnect_interval_s")
 CLIENT_PEERS = Tweak(required=True)  # api, monitor and status join a swarm, never start one
 # the client commands take the key file, as serve and dht do (the config field holds its secret)
 JOIN_KEY = Tweak(help="the key file of the private swarm to join (from `swarmlm swarm-key`)")
-START_KEY = Tweak(help="the key file of a private swarm: the local swarm is started private, or the swarm of "
-                  "--initial-peers joined")  # fmt: skip
+START_KEY = Tweak(
+    help="the key file of a private swarm: the local swarm is started private, or the swarm of --initial-peers joined"
+)
 # where `swarmlm api` reads its API key when --api-key is not given (an argument shows in `ps`, the environment not)
 API_KEY_ENV = "SWARMLM_API_KEY"
 
@@ -90,8 +89,9 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     demo.add_argument("--chat", action="store_true", help="chat interactively, keeping one session across turns")
     demo.add_argument("--api", action="store_true", help="serve the OpenAI-compatible API (and monitor) on the swarm")
     demo.add_argument("--api-port", type=port, default=8000, help="HTTP port of --api")
-    add_config_flags(demo, ClientConfig, ["swarm_key"],
-                     swarm_key=Tweak(help="start the local swarm private, with this key file"))  # fmt: skip
+    add_config_flags(
+        demo, ClientConfig, ["swarm_key"], swarm_key=Tweak(help="start the local swarm private, with this key file")
+    )
 
 
 def _add_api_parsers(sub: argparse._SubParsersAction) -> None:
@@ -102,9 +102,12 @@ def _add_api_parsers(sub: argparse._SubParsersAction) -> None:
     wait = Tweak(default=10.0, help="seconds a request waits for missing blocks before a 503")
     add_config_flags(api, ClientConfig, ["initial_peers", "dht_prefix", "missing_blocks_timeout_s", "swarm_key"],
                      initial_peers=CLIENT_PEERS, missing_blocks_timeout_s=wait, swarm_key=JOIN_KEY)  # fmt: skip
-    api.add_argument("--api-key", default=None, metavar="KEY",
-                     help=f"requests to /v1/ must send 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}, "
-                     "else no key is asked)")  # fmt: skip
+    api.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                     help="requests to /v1/ must send 'Authorization: Bearer KEY'; repeat it for several users, each "
+                     f"its key (default: ${API_KEY_ENV}, keys separated by commas; else no key is asked)")  # fmt: skip
+    api.add_argument("--cache-budget-tokens", type=positive_int, default=None, metavar="TOKENS",
+                     help="session tokens (batch x length) the API's requests may hold on the servers, shared fairly "
+                     "by its users (default: what the servers' announced caches let one peer hold)")  # fmt: skip
     api.add_argument("--host", default="127.0.0.1", help="HTTP interface (default: this machine only)")
     api.add_argument("--port", type=port, default=8000, help="HTTP port (0: any free port)")
     api.add_argument("--served-model-name", default=None, help="the model's name in the API")
@@ -113,16 +116,19 @@ def _add_api_parsers(sub: argparse._SubParsersAction) -> None:
     api.add_argument("--http-timeout", type=positive, default=15.0, help="seconds a client may take to send a "
                      "request's headers, or its body; idle connections close after as long")  # fmt: skip
     monitor = sub.add_parser("monitor", help="serve the swarm monitor page (no API)")
-    add_config_flags(monitor, ClientConfig, ["initial_peers", "swarm_key"], initial_peers=CLIENT_PEERS,
-                     swarm_key=JOIN_KEY)  # fmt: skip
+    add_config_flags(
+        monitor, ClientConfig, ["initial_peers", "swarm_key"], initial_peers=CLIENT_PEERS, swarm_key=JOIN_KEY
+    )
     monitor.add_argument("--host", default="127.0.0.1", help="HTTP interface (default: this machine only)")
     monitor.add_argument("--port", type=port, default=8000, help="HTTP port (0: any free port)")
     status = sub.add_parser(
-        "status", help="print the swarm's models, coverage and servers; exit code 0: every model complete, "
+        "status",
+        help="print the swarm's models, coverage and servers; exit code 0: every model complete, "
         "1: blocks missing, 3: no model served, 2: bad arguments or an unreachable swarm",
-    )  # fmt: skip
-    add_config_flags(status, ClientConfig, ["initial_peers", "swarm_key"], initial_peers=CLIENT_PEERS,
-                     swarm_key=JOIN_KEY)  # fmt: skip
+    )
+    add_config_flags(
+        status, ClientConfig, ["initial_peers", "swarm_key"], initial_peers=CLIENT_PEERS, swarm_key=JOIN_KEY
+    )
     status.add_argument("--json", action="store_true", help="print the monitor's JSON snapshot instead of tables")
 
 
@@ -141,8 +147,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                        help="modules of every block LoRA adapts (lora)")  # fmt: skip
     train.add_argument("--steps", type=positive_int, default=30)
     train.add_argument("--batch-size", type=positive_int, default=8)
-    train.add_argument("--lr", type=positive, default=None,
-                       help="Adam learning rate (default: 3e-3 prompts, 1e-3 lora)")  # fmt: skip
+    train.add_argument(
+        "--lr", type=positive, default=None, help="Adam learning rate (default: 3e-3 prompts, 1e-3 lora)"
+    )
     train.add_argument("--save", default=None, metavar="DIR",
                        help="save the trained prompts, or the LoRA adapter (a PEFT folder), here")  # fmt: skip
 
@@ -154,14 +161,16 @@ def _api(args: argparse.Namespace) -> None:
         model=args.model, initial_peers=tuple(args.initial_peers), host=args.host, port=args.port,
         served_name=args.served_model_name, dht_prefix=args.dht_prefix, max_concurrent=args.max_concurrent,
         missing_blocks_timeout_s=args.missing_blocks_timeout, http_timeout_s=args.http_timeout,
-        revision=args.revision, swarm_key=_swarm_key(args), api_key=api_key(args.api_key, os.environ),
+        revision=args.revision, swarm_key=_swarm_key(args), api_keys=api_keys(args.api_key, os.environ),
+        cache_budget_tokens=args.cache_budget_tokens,
     ))  # fmt: skip
 
 
-def api_key(flag: str | None, environ: dict[str, str] | os._Environ[str]) -> str | None:
-    """The API key: the flag's (checked not empty by cli/args.py), else the environment's (an empty variable means
-    none)."""
-    return flag or environ.get(API_KEY_ENV) or None
+def api_keys(flags: list[str] | None, environ: dict[str, str] | os._Environ[str]) -> tuple[str, ...]:
+    """The API keys: the flags' (checked not empty by cli/args.py), else the environment's, separated by commas (an
+    empty variable means none)."""
+    keys = flags or environ.get(API_KEY_ENV, "").split(",")
+    return tuple(dict.fromkeys(key.strip() for key in keys if key.strip()))
 
 
 def _monitor(args: argparse.Namespace) -> None:
