@@ -78,7 +78,7 @@ class Peers:
         self.p2ps = self.loop.run(create_all())
 
     async def _forward(self, p2p: P2P, header: ForwardRequest, hidden: torch.Tensor) -> ReplyHeader | None:
-        async def parts():  # noqa: ANN202 - an async generator of request parts
+        async def parts():  # an async generator of request parts
             for part in encode(header, [hidden], runtime_pb2.ExpertRequest):
                 yield part
 
@@ -102,6 +102,24 @@ class Peers:
         async def all_peers() -> list[bool]:
             done = await asyncio.gather(*(one_peer(p2p) for p2p in self.p2ps))
             return [ok for each in done for ok in each]
+
+        return self.loop.run(all_peers())
+
+    def forwards(self, count: int, hidden: torch.Tensor) -> list[bool]:
+        """Each peer sends `count` forwards of `hidden` at once (all peers together); whether each was answered
+        (a refusal, or a stream the server cut, is not)."""
+
+        header = ForwardRequest(start_block=0, end_block=5)
+
+        async def one(p2p: P2P) -> bool:
+            try:
+                reply = await asyncio.wait_for(self._forward(p2p, header, hidden), 120)
+            except (ConnectionError, asyncio.IncompleteReadError):
+                return False  # cut off while it was sending or waiting
+            return reply is not None and reply.ok
+
+        async def all_peers() -> list[bool]:
+            return list(await asyncio.gather(*(one(p2p) for p2p in self.p2ps for _ in range(count))))
 
         return self.loop.run(all_peers())
 

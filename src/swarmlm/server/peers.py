@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
-import ctypes.util
 import logging
 import traceback
 from collections import defaultdict
@@ -19,6 +17,7 @@ from dataclasses import dataclass
 from swarmlm.errors import LimitError, short
 from swarmlm.protocol.messages import ReplyHeader
 from swarmlm.server.fairness import POOLS, Holding, host_of, pick_victims
+from swarmlm.server.memory import MemoryReturn
 
 __all__ = ["Holding", "LimitError", "PeerLedger", "PeerLimits", "PoolFull", "refusal", "short", "where"]
 
@@ -30,13 +29,6 @@ MEMORY_PEERS = 8
 STREAM_SLACK = 64
 # default streams of all peers: this many per session slot (a session, pushes to it, forwards and info calls)
 STREAMS_PER_SESSION = 8
-# once this much was buffered, the allocator's free memory is returned to the system when the buffers empty
-TRIM_AFTER_BYTES = 16 << 20
-# under sustained load the buffers never empty: after this many bytes were released, memory is returned all the same,
-# at most once per TRIM_INTERVAL_S (glibc keeps what large buffers free in its arenas; a burst of 8 MB forwards from
-# a dozen peer ids left a server twice what its ledger counted)
-TRIM_EVERY_BYTES = 64 << 20
-TRIM_INTERVAL_S = 0.5
 
 
 def refusal(error: BaseException, text: str | None = None) -> ReplyHeader:
@@ -117,10 +109,8 @@ class PeerLedger:
         self._holdings: set[Holding] = set()  # open streams and sessions, for choosing whom to close
         self._changed: list[asyncio.Future] = []  # woken whenever anything is released
         self.reclaimed = 0  # holders closed for peers that waited (stats)
-        self._peak_bytes = 0  # most bytes buffered since the allocator last returned memory
-        self._released = 0  # bytes released since then
-        self._trimmed_at = 0.0  # loop time of the last return
-        self._trimming: asyncio.Task | None = None
+        # what released buffers held goes back to the system (the ledger's bound must hold in RSS too)
+        self.memory_return = MemoryReturn()
 
     def usage(self, peer: str) -> _Usage:
         return self._peers.get(peer, _Usage())
@@ -255,7 +245,7 @@ class PeerLedger:
                 raise full
             await self._wait_change(deadline - loop.time())
         self._add(peer, "buffered_bytes", size)
-        self._peak_bytes = max(self._peak_bytes, self.total.buffered_bytes)
+        self.memory_return.buffered(self.total.buffered_bytes)
 
     def _bytes_full(self, peer: str, size: int) -> LimitError | None:
         limits, held = self.limits, self.usage(peer).buffered_bytes
@@ -276,24 +266,7 @@ class PeerLedger:
     def release_bytes(self, peer: str, size: int) -> None:
         if size:
             self._add(peer, "buffered_bytes", -size)
-            self._released += size
-            emptied = self.total.buffered_bytes == 0 and self._peak_bytes >= TRIM_AFTER_BYTES
-            if emptied or self._released >= TRIM_EVERY_BYTES:
-                self._return_memory()
-
-    def _return_memory(self) -> None:
-        """After a burst of buffers (or many while buffers stay busy), hand the allocator's free memory back to the
-        system (glibc keeps it otherwise); at most once per TRIM_INTERVAL_S, off the event loop."""
-        loop = asyncio.get_running_loop()
-        if (
-            self._trimming is not None
-            and not self._trimming.done()
-            or loop.time() - self._trimmed_at < TRIM_INTERVAL_S
-        ):
-            return
-        self._peak_bytes = self._released = 0
-        self._trimmed_at = loop.time()
-        self._trimming = loop.create_task(asyncio.to_thread(_malloc_trim))
+            self.memory_return.released(size, self.total.buffered_bytes)
 
     # --- sessions
     def open_session(self, peer: str) -> None:
@@ -344,13 +317,3 @@ class PeerLedger:
         self._add(peer, "cache_tokens", tokens)
         if tokens >= 0:
             self._forget_if_idle(peer)
-
-
-def _malloc_trim() -> None:
-    """glibc's malloc_trim(0): free memory at the top of every arena goes back to the system (a no-op elsewhere)."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return
-    trim = getattr(ctypes.CDLL(name), "malloc_trim", None)
-    if trim is not None:
-        trim(0)

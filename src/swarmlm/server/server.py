@@ -30,7 +30,7 @@ from swarmlm.models.span import SpanModel
 from swarmlm.net import transport
 from swarmlm.net.transport import Gate, StreamLimits
 from swarmlm.protocol.messages import ServerInfo
-from swarmlm.server import activity, lifecycle, speed
+from swarmlm.server import activity, lifecycle, memory, speed
 from swarmlm.server.activations import ActivationCache
 from swarmlm.server.backend import SpanBackend
 from swarmlm.server.cache import CacheBudget, default_cache_tokens
@@ -296,6 +296,7 @@ class Server:
         self.addrs = self._addresses(visible_maddrs(self.dht))
         await self._join()
         handler = await self._start_handler(p2p)
+        memory.freeze_startup_objects()  # what serving makes is collected in milliseconds (server/memory.py)
         self.since = self.since or get_dht_time()
         await self._announce(ServerState.ONLINE)
         self._print_serving()
