@@ -22,8 +22,9 @@ from swarmlm.tools.local_swarm import LocalSwarm
 SERVER_ARGS = ["--rebalance-interval", "5", "--announce-interval", "2", "--record-ttl", "6", "--drain-timeout", "5"]
 
 
-def generate_forever(model: torch.nn.Module, ids: torch.Tensor, tokens: Gaps, stop: threading.Event,
-                     failures: list[str]) -> None:  # fmt: skip
+def generate_forever(
+    model: torch.nn.Module, ids: torch.Tensor, tokens: Gaps, stop: threading.Event, failures: list[str]
+) -> None:
     while not stop.is_set():
         try:
             with torch.inference_mode():

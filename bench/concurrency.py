@@ -207,7 +207,7 @@ def decode_gap(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int) -> fl
 
 def training_load(
     model: torch.nn.Module, tokens: int, stop: threading.Event, passes: list[tuple[float, float]]
-) -> None:  # fmt: skip
+) -> None:
     """Forward and backward of (1, tokens) hidden states through all blocks, in a loop until stopped; each pass's
     start and end go to `passes`."""
     hidden_size = model.config.hidden_size
@@ -381,8 +381,9 @@ def main() -> None:
                         help="users as coroutines on the client's loop (as `swarmlm api` runs requests), not threads "
                              "calling generate()")  # fmt: skip
     parser.add_argument("--users-only", action="store_true", help="only the users at once (part 1)")
-    parser.add_argument("--interference-only", action="store_true",
-                        help="only the user next to a training client (part 2)")  # fmt: skip
+    parser.add_argument(
+        "--interference-only", action="store_true", help="only the user next to a training client (part 2)"
+    )
     args = parser.parse_args()
     model_dir = resolve_model(args.model)
     num_blocks = load_config(model_dir).num_hidden_layers

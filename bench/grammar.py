@@ -46,8 +46,9 @@ def ms_since(start: float) -> float:
     return (time.perf_counter() - start) * 1000
 
 
-def generate(model: Any, prompt: torch.Tensor, grammars: Grammars | None, grammar: str, new_tokens: int,
-             eos: int) -> tuple[list[int], list[float], list[float]]:  # fmt: skip
+def generate(
+    model: Any, prompt: torch.Tensor, grammars: Grammars | None, grammar: str, new_tokens: int, eos: int
+) -> tuple[list[int], list[float], list[float]]:
     """Greedy tokens, and per token the step's ms (forward + argmax) and the grammar's ms (mask + advance; empty
     without grammars)."""
     guide = None if grammars is None else grammars.guide(grammar, 1)
@@ -80,7 +81,7 @@ def compare_libraries(tokenizer: Any, text: str, eos: int) -> None:
     ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [eos]
     vocab = len(tokenizer)
     try:
-        import xgrammar as xgr  # noqa: PLC0415 - optional, for comparison only
+        import xgrammar as xgr  # optional, for comparison only
 
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab, stop_token_ids=[eos])
         compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
@@ -97,10 +98,10 @@ def compare_libraries(tokenizer: Any, text: str, eos: int) -> None:
     except ImportError:
         print("xgrammar: not installed")
     try:
-        import outlines_core  # noqa: PLC0415 - optional, for comparison only
-        from outlines_core.json_schema import build_regex_from_schema  # noqa: PLC0415
+        import outlines_core  # optional, for comparison only
+        from outlines_core.json_schema import build_regex_from_schema
 
-        from swarmlm.api.logprobs import TokenNames  # noqa: PLC0415
+        from swarmlm.api.logprobs import TokenNames
 
         names, pieces = TokenNames(tokenizer), {}
         for token in range(vocab):
@@ -143,8 +144,9 @@ def main() -> None:
         grammars.check(json_schema_grammar(SCHEMA))
         compile_ms.append(ms_since(start))
     conversation = [{"role": "user", "content": QUESTION}]
-    prompt = torch.tensor([tokenizer.apply_chat_template(conversation, add_generation_prompt=True,
-                                                         return_dict=True)["input_ids"]])  # fmt: skip
+    prompt = torch.tensor(
+        [tokenizer.apply_chat_template(conversation, add_generation_prompt=True, return_dict=True)["input_ids"]]
+    )
     grammar = json_schema_grammar(SCHEMA)
     steps, masks, plain_steps = [], [], []
     with torch.inference_mode():

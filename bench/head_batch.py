@@ -15,7 +15,7 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F  # noqa: N812 - the usual name
+import torch.nn.functional as F
 
 from swarmlm.client import rows_kernel
 from swarmlm.client.head_batching import pack_weight, packable

@@ -93,8 +93,9 @@ def main() -> None:
               f"max {max(steps.durations):.2f}")  # fmt: skip
     print(f"load average (1 min) at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     print(f"\n{'metric':<34}{'local':>10}{'swarm':>10}{'ratio (swarm/local)':>22}")
-    print(f"{'LoRA train steps/s (fwd+bwd)':<34}{local_rate:>10.3f}{swarm_rate:>10.3f}"
-          f"{swarm_rate / local_rate:>22.2f}")  # fmt: skip
+    print(
+        f"{'LoRA train steps/s (fwd+bwd)':<34}{local_rate:>10.3f}{swarm_rate:>10.3f}{swarm_rate / local_rate:>22.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -91,15 +91,17 @@ class TokenClock:
         return (sum(n for _, n in self.arrivals) - first_count) / max(last - first, 1e-9)
 
 
-def decode_rate(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, repeats: int,
-                **options: Any) -> tuple[float, list[int]]:  # fmt: skip
+def decode_rate(
+    model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, repeats: int, **options: Any
+) -> tuple[float, list[int]]:
     """Median decode tokens/s of `repeats` greedy generations (after one warm-up), and the tokens generated."""
     rates, output = [], []
     for attempt in range(repeats + 1):
         clock = TokenClock()
         with torch.inference_mode():
-            out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                                 streamer=clock, **options)  # fmt: skip
+            out = model.generate(
+                ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, streamer=clock, **options
+            )
         output = out[0].tolist()
         if attempt:
             rates.append(clock.tokens_per_s())
@@ -118,8 +120,9 @@ def forward_tokens_per_s(model: torch.nn.Module, repeats: int) -> float:
 
 def chat(tokenizer: Any, text: str) -> torch.Tensor:
     messages = [{"role": "user", "content": text}]
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                         return_dict=True)["input_ids"]  # fmt: skip
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)[
+        "input_ids"
+    ]
 
 
 def main() -> None:
@@ -150,8 +153,9 @@ def main() -> None:
 
     copy_ids = chat(tokenizer, COPY_PROMPT)
     with torch.inference_mode():
-        copy_expected = local.generate(copy_ids, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-                                       do_sample=False)[0].tolist()  # fmt: skip
+        copy_expected = local.generate(
+            copy_ids, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False
+        )[0].tolist()
     del local
     print(f"torch threads {args.threads} (local and each server), {args.new_tokens} new tokens, greedy, fp32")
     print(f"local: decode {local_rate:.1f} tokens/s, forward {FORWARD_SHAPE} {local_forward:.0f} tokens/s")

@@ -88,8 +88,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.minutes <= 0 or args.clients < 1 or args.event_interval <= 0 or args.sample_interval <= 0:
         parser.error("--minutes, --event-interval and --sample-interval must be positive, --clients at least 1")
-    plan = SoakPlan(args.minutes, args.clients, args.event_interval, args.sample_interval, seed=args.seed,
-                    anchors=args.anchors)  # fmt: skip
+    plan = SoakPlan(
+        args.minutes, args.clients, args.event_interval, args.sample_interval, seed=args.seed, anchors=args.anchors
+    )
     with tempfile.TemporaryDirectory(prefix="swarmlm-soak-") as scratch:
         model_dir = model_folder(args.model, Path(scratch))
         print(f"model {args.model}: {plan}", flush=True)

@@ -43,5 +43,6 @@ def line(key: str, value: float) -> str:
     target = TARGETS[key]
     sign = ">=" if target.higher_is_better else "<="
     verdict = "met" if met(key, value) else "not met"
-    return (f"target: {target.what} {sign} {target.goal:g} (when set: {target.when_set}); "
-            f"this run: {value:.2f}, {verdict}")  # fmt: skip
+    return (
+        f"target: {target.what} {sign} {target.goal:g} (when set: {target.when_set}); this run: {value:.2f}, {verdict}"
+    )

@@ -102,8 +102,9 @@ def check_ip_host(host: str, name: str = "--host") -> None:
     try:
         ipaddress.ip_address(host)
     except ValueError as e:
-        raise ConfigError(f"{name} must be an IP address such as 0.0.0.0 (all interfaces) or 127.0.0.1, not "
-                          f"{host!r}") from e  # fmt: skip
+        raise ConfigError(
+            f"{name} must be an IP address such as 0.0.0.0 (all interfaces) or 127.0.0.1, not {host!r}"
+        ) from e
 
 
 def check_can_listen(host: str, port: int, port_flag: str = "--port", host_flag: str = "--host") -> None:

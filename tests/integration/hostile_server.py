@@ -147,11 +147,11 @@ def _perturbed(outputs: list[torch.Tensor], kind: str) -> list[torch.Tensor]:
 def _perturbing_backend() -> None:
     honest_run, honest_step = backend_module.SpanBackend.run, backend_module.SpanBackend.step
 
-    async def run(self, start, end, inputs, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202 - as patched
+    async def run(self, start, end, inputs, *args, **kwargs):  # as patched
         outputs, compute_ms = await honest_run(self, start, end, inputs, *args, **kwargs)
         return _perturbed(outputs, "forward" if inputs.grad_outputs is None else "backward"), compute_ms
 
-    async def step(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    async def step(self, *args, **kwargs):
         outputs, compute_ms = await honest_step(self, *args, **kwargs)
         return _perturbed(outputs, "step"), compute_ms
 

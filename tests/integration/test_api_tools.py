@@ -66,8 +66,9 @@ def chat_model(api_url: str) -> ChatOpenAI:
 
 def test_the_sdks_parse_gives_a_valid_object(client: openai.OpenAI) -> None:
     question = [{"role": "user", "content": "Describe Paris as JSON."}]
-    reply = client.chat.completions.parse(model=NAME, messages=question, response_format=City, max_tokens=60,
-                                          temperature=0)  # fmt: skip
+    reply = client.chat.completions.parse(
+        model=NAME, messages=question, response_format=City, max_tokens=60, temperature=0
+    )
     assert isinstance(reply.choices[0].message.parsed, City) and reply.choices[0].finish_reason == "stop"
 
 

@@ -89,8 +89,9 @@ def test_gradients_equal_local_autograd(tiny_model_dir: Path, reference, tuned, 
     with running_swarm(tiny_model_dir, spans) as swarm:
         model = tuned(swarm)
         assert [n for n, p in model.named_parameters() if p.requires_grad] == [
-            "prompt_tuning.prompt_embeddings", "prompt_tuning.deep_prompts"
-        ]  # fmt: skip
+            "prompt_tuning.prompt_embeddings",
+            "prompt_tuning.deep_prompts",
+        ]
         remote, local = gradients(model, reference, ids, weights)
         # every server ran the backward from the graph its forward kept (server/activations.py)
         for server in swarm.servers:
@@ -105,9 +106,10 @@ def test_per_sample_deep_prompts_equal_row_by_row_runs(tiny_model_dir: Path, ref
     hidden = torch.randn(3, 6, 64, generator=generator)
     prompts = torch.randn(5, 3, 2, 64, generator=generator).requires_grad_()
     weights = torch.randn(3, 6, 64, generator=generator)
-    with running_swarm(tiny_model_dir, [(0, 2), (2, 5)]) as swarm, connected_model(
-        tiny_model_dir, swarm, max_tokens_per_request=12
-    ) as model:  # fmt: skip
+    with (
+        running_swarm(tiny_model_dir, [(0, 2), (2, 5)]) as swarm,
+        connected_model(tiny_model_dir, swarm, max_tokens_per_request=12) as model,
+    ):
         layers = model.model.layers
         (layers(hidden, prompts=prompts) * weights).sum().backward()
         together = prompts.grad.clone()

@@ -79,8 +79,9 @@ def test_bad_adapters_and_quantization_get_clear_errors(tiny_model_dir: Path, tm
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text("{}")
     for mode in ("int8", "nf4"):
-        result = run_cli("serve", str(tiny_model_dir), "--blocks", "0:2", "--new-swarm", "--quant", mode,
-                         "--adapters", str(adapter))  # fmt: skip
+        result = run_cli(
+            "serve", str(tiny_model_dir), "--blocks", "0:2", "--new-swarm", "--quant", mode, "--adapters", str(adapter)
+        )
         assert result.returncode == 2 and "cannot be combined" in result.stderr
 
 
@@ -110,7 +111,7 @@ def test_a_node_whose_initial_peer_starts_late_still_joins_and_one_that_never_do
             dht.shutdown()
 
 
-async def _peers(dht, node) -> list:  # noqa: ANN001 - hivemind's run_coroutine signature
+async def _peers(dht, node) -> list:  # hivemind's run_coroutine signature
     return [info.peer_id for info in await node.p2p.list_peers()]
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F  # noqa: N812 - the usual name
+import torch.nn.functional as F
 
 from swarmlm.errors import ConfigError
 from swarmlm.models.quant import quantize

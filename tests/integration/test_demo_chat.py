@@ -47,7 +47,7 @@ class Terminal:
         self.master, slave = os.openpty()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "swarmlm.cli.main", *args], stdin=slave, stdout=slave, stderr=slave,
-            start_new_session=True, preexec_fn=_attach_terminal,  # noqa: PLW1509 - the child only execs after it
+            start_new_session=True, preexec_fn=_attach_terminal,  # the child only execs after it
         )  # fmt: skip
         os.close(slave)
         self.printed = ""  # everything printed so far, as the terminal sends it (\r\n line ends)
@@ -119,8 +119,9 @@ class Chat:
     def local_answer(self, question: str) -> str:
         """What the model answers `question` after the conversation so far (greedy, at most NEW_TOKENS)."""
         messages = [*self.conversation, {"role": "user", "content": question}]
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                                 return_dict=True)["input_ids"]  # fmt: skip
+        ids = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )["input_ids"]
         with torch.inference_mode():
             out = self.reference.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)[0, ids.shape[1] :]
         return str(self.tokenizer.decode(out, skip_special_tokens=True))

@@ -146,7 +146,7 @@ class Attack:
         self.loop.close()
 
 
-def timed(call):  # noqa: ANN001, ANN201 - any callable, its result
+def timed(call):  # any callable, its result
     began = time.monotonic()
     result = call()
     return result, time.monotonic() - began
@@ -167,8 +167,9 @@ def test_an_honest_host_is_served_while_free_identities_hold_everything(swarm, t
             with connected_model(tiny_model_dir, swarm) as model:
                 logits, forward_s = timed(lambda: model(ids).logits)
                 with model.inference_session(max_length=32) as session:
-                    tokens, generate_s = timed(lambda: model.generate(ids, max_new_tokens=8, do_sample=False,
-                                                                      session=session))  # fmt: skip
+                    tokens, generate_s = timed(
+                        lambda: model.generate(ids, max_new_tokens=8, do_sample=False, session=session)
+                    )
         reclaims = server.log_path.read_text().count("reclaiming a ")
     finally:
         attack.close()

@@ -4,6 +4,7 @@ killed mid-way shows as a gap. Screenshots are saved under artifacts/."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 import urllib.request
@@ -86,8 +87,9 @@ def test_json_lists_the_model_its_coverage_and_servers(monitor_url: str, swarm: 
 
 
 def test_status_prints_the_same_as_a_table(swarm: LocalSwarm) -> None:
-    result = subprocess.run([*SWARMLM, "status", "--initial-peers", *swarm.initial_peers],
-                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    result = subprocess.run(
+        [*SWARMLM, "status", "--initial-peers", *swarm.initial_peers], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     assert "5 blocks, complete" in result.stdout and "coverage [=====]" in result.stdout
     for server in swarm.servers:
@@ -95,19 +97,27 @@ def test_status_prints_the_same_as_a_table(swarm: LocalSwarm) -> None:
     assert result.stdout.count("online") == 3
 
 
-def status(*args: str) -> tuple[subprocess.CompletedProcess[str], float]:
+def status(*args: str, env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess[str], float]:
     began = time.perf_counter()
-    result = subprocess.run([*SWARMLM, "status", *args], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [*SWARMLM, "status", *args], capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})}
+    )
     return result, time.perf_counter() - began
 
 
-def test_status_json_is_the_snapshot_and_takes_seconds(swarm: LocalSwarm) -> None:
-    result, took = status("--json", "--initial-peers", *swarm.initial_peers)
+def test_status_json_is_the_snapshot_and_imports_no_model_code(swarm: LocalSwarm) -> None:
+    """`status` is a quick look: it reads the swarm without the model code (transformers and the client's model made
+    it take 10-13 s instead of ~3 on an idle 2-core machine)."""
+    result, took = status("--json", "--initial-peers", *swarm.initial_peers, env={"PYTHONPROFILEIMPORTTIME": "1"})
     assert result.returncode == 0, result.stderr
     (model,) = json.loads(result.stdout)["models"]
     assert model["complete"] and {(s["start"], s["end"]) for s in model["servers"]} == set(SPANS)
     print(f"\nswarmlm status took {took:.1f} s")
-    assert took < 8.0  # it was 10-13 s when it imported the API's model code; ~3 s on an idle 2-core machine
+    # python -X importtime's lines on stderr: "import time: self | cumulative | module"
+    lines = result.stderr.splitlines()
+    imported = {line.rsplit("|", 1)[-1].strip() for line in lines if line.startswith("import time")}
+    assert "swarmlm.api.monitor" in imported  # the lines were read
+    assert not imported & {"transformers", "swarmlm.client.model", "swarmlm.api.engine"}
 
 
 def test_status_exit_code_says_blocks_are_missing_or_no_model_is_served(tiny_model_dir: Path) -> None:
@@ -138,8 +148,7 @@ def test_page_shows_three_servers_then_the_gap_of_a_killed_one(page: Any, swarm:
     victim = next(server for server in swarm.servers if (server.start, server.end) == (2, 4))
     swarm.kill(victim)
     killed = time.monotonic()
-    page.wait_for_function("document.querySelectorAll('.bar .cell.gap').length === 2",
-                           timeout=GAP_DEADLINE_S * 1000)  # fmt: skip
+    page.wait_for_function("document.querySelectorAll('.bar .cell.gap').length === 2", timeout=GAP_DEADLINE_S * 1000)
     shown_after = time.monotonic() - killed
     gaps = page.eval_on_selector_all(".bar .cell.gap", "cells => cells.map(c => c.dataset.block)")
     assert gaps == ["2", "3"]

@@ -35,8 +35,9 @@ def reference(tiny_model_dir: Path) -> torch.nn.Module:
 
 def local_greedy(reference: torch.nn.Module, ids: torch.Tensor, new: int) -> list[int]:
     with torch.inference_mode():
-        out = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                                 do_sample=False)  # fmt: skip
+        out = reference.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=False
+        )
     return out[0].tolist()
 
 
@@ -96,9 +97,10 @@ def test_a_frozen_next_server_is_blamed_and_passed_by_within_the_liveness_window
     ids = torch.tensor([[21, 22, 23, 24]])
     expected = local_greedy(reference, ids, 12)
     spans = [*SPANS[:3], (2, 4)]  # a chain of three, and a replica of its middle
-    with running_swarm(tiny_model_dir, spans) as swarm, connected_model(
-        tiny_model_dir, swarm, request_timeout_s=120.0, liveness_check_s=2.0
-    ) as model:  # fmt: skip
+    with (
+        running_swarm(tiny_model_dir, spans) as swarm,
+        connected_model(tiny_model_dir, swarm, request_timeout_s=120.0, liveness_check_s=2.0) as model,
+    ):
         manager = model.model.layers.client.manager
         with model.inference_session(max_length=32) as session:
             first = model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False, session=session)

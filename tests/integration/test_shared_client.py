@@ -155,8 +155,9 @@ def test_generations_as_coroutines_on_the_client_loop_equal_generate(tiny_model_
         tuned = AutoDistributedModelForCausalLM.from_pretrained(
             str(tiny_model_dir), client=chat.client, tuning_mode="deep_ptune", pre_seq_len=2
         )
-        lora = AutoDistributedModelForCausalLM.from_pretrained(str(tiny_model_dir), client=chat.client,
-                                                               tuning_mode="lora")  # fmt: skip
+        lora = AutoDistributedModelForCausalLM.from_pretrained(
+            str(tiny_model_dir), client=chat.client, tuning_mode="lora"
+        )
         with torch.no_grad():  # LoRA starts as the identity: weights of its own make its tokens its own
             for parameter in lora.lora_tuning.parameters():
                 parameter.add_(torch.randn(parameter.shape, generator=torch.Generator().manual_seed(2)) * 0.5)

@@ -71,8 +71,9 @@ def decode_rate(model: torch.nn.Module, prompts: list[torch.Tensor]) -> float:
 
     def work(ids: torch.Tensor) -> None:
         with torch.inference_mode():
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
-                           eos_token_id=[])  # fmt: skip
+            model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=[]
+            )
 
     work(prompts[0])  # warm-up: routes, connections and the servers' first steps
     began = time.perf_counter()

@@ -19,8 +19,9 @@ COPY_TASK = "Repeat this sentence exactly: The quick brown fox jumps over the la
 
 
 def copy_task(tokenizer: AutoTokenizer) -> torch.Tensor:
-    text = tokenizer.apply_chat_template([{"role": "user", "content": COPY_TASK}], add_generation_prompt=True,
-                                         tokenize=False)  # fmt: skip
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": COPY_TASK}], add_generation_prompt=True, tokenize=False
+    )
     return tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
 
 
@@ -81,8 +82,9 @@ def test_a_draft_model_with_the_same_weights_is_always_accepted(model, reference
     expected = local_greedy(reference, ids, 20)
     with model.inference_session(max_length=ids.shape[1] + 20) as session:
         steps = counting_steps(session)
-        output = model.generate(ids, max_new_tokens=20, assistant_model=reference, num_assistant_tokens=4,
-                                session=session)  # fmt: skip
+        output = model.generate(
+            ids, max_new_tokens=20, assistant_model=reference, num_assistant_tokens=4, session=session
+        )
     assert output.tolist() == expected.tolist()
     # the prompt with 4 proposals, then 5 tokens a round: every proposal is the model's own choice
     assert len(steps) == 4, steps

@@ -51,8 +51,9 @@ def peers() -> Iterator[tuple[LoopThread, P2P, P2P]]:
         server, client = await P2P.create(**LOOPBACK), await P2P.create(**LOOPBACK)
         for method, (_, stall) in STALLS.items():
 
-            async def handle(info: object, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                             stall: Stall = stall) -> None:  # fmt: skip
+            async def handle(
+                info: object, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, stall: Stall = stall
+            ) -> None:
                 task = asyncio.current_task()
                 assert task is not None
                 stalling.add(task)

@@ -126,8 +126,9 @@ def test_monitor_json_and_status_show_names_not_paths(api_url: str, swarm: Local
     snapshot = complete_snapshot(api_url)
     assert_no_path(snapshot, smollm_dir)
     assert {row["peer_id"] for row in snapshot["models"][0]["servers"]} == {s.peer_id for s in swarm.servers}
-    status = subprocess.run([*SWARMLM, "status", "--initial-peers", *swarm.initial_peers],
-                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    status = subprocess.run(
+        [*SWARMLM, "status", "--initial-peers", *swarm.initial_peers], capture_output=True, text=True, timeout=120
+    )
     assert status.returncode == 0, status.stderr
     assert f"Model {DISPLAY} (swarm '{NAME}'): 30 blocks, complete" in status.stdout
     for path in (str(smollm_dir), smollm_dir.name, str(Path.home()), ".gguf"):
@@ -151,8 +152,9 @@ def test_a_client_given_the_converted_folder_joins_the_same_swarm(
 @pytest.fixture(scope="module")
 def demo() -> Iterator[tuple[str, list[str]]]:
     """A running `swarmlm demo --api`: (its API's base URL, its output lines so far)."""
-    process = spawn_bound([*SWARMLM, "demo", "--api", "--api-port", "0"], stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    process = spawn_bound(
+        [*SWARMLM, "demo", "--api", "--api-port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     lines: list[str] = []
     ready = threading.Event()
 

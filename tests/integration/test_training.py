@@ -72,7 +72,8 @@ def test_a_few_lora_steps_lower_the_loss_and_the_adapter_round_trips(
         fresh.load_adapter(tmp_path)
         with torch.no_grad():
             assert abs(task.loss(fresh, batch).item() - losses[-1]) < 1e-4
-    with connected_model(smollm_dir, swarm, tuning_mode="lora", lora_rank=4) as other, pytest.raises(
-        ValueError, match="r=8"
-    ):  # fmt: skip
+    with (
+        connected_model(smollm_dir, swarm, tuning_mode="lora", lora_rank=4) as other,
+        pytest.raises(ValueError, match="r=8"),
+    ):
         other.load_adapter(tmp_path)

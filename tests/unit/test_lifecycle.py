@@ -25,8 +25,9 @@ async def join_all(peers: list[str], num_blocks: int, n: int, view: dict[str, Se
 
     async def join(peer: str) -> Span:
         async def claim(span: Span, since: float) -> ServerRecord:
-            view[peer] = ServerRecord(state=ServerState.JOINING, start=span[0], end=span[1], throughput=1.0,
-                                      dtype="float32", since=since)  # fmt: skip
+            view[peer] = ServerRecord(
+                state=ServerState.JOINING, start=span[0], end=span[1], throughput=1.0, dtype="float32", since=since
+            )
             return view[peer]
 
         span, _ = await lifecycle.claim_span(read, claim, num_blocks, n, peer)

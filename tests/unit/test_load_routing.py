@@ -57,8 +57,9 @@ def test_drawn_routes_cost_at_most_the_tolerance_more_than_the_cheapest(seed: in
 
     def cost(route: list[RouteSpan]) -> float:
         by_peer = {s.peer_id: s for s in servers}
-        return sum(0.005 + by_peer[h.peer_id].latency_s + (h.end - h.start) * 8 / by_peer[h.peer_id].throughput
-                   for h in route)  # fmt: skip
+        return sum(
+            0.005 + by_peer[h.peer_id].latency_s + (h.end - h.start) * 8 / by_peer[h.peer_id].throughput for h in route
+        )
 
     best = find_route(servers, 0, 12, tokens=8)
     drawn = find_route(servers, 0, 12, tokens=8, rng=rnd, tie_tolerance=TOL)

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.nn.functional as F  # noqa: N812 - the usual name
+import torch.nn.functional as F
 from pydantic import ValidationError
 from transformers.cache_utils import DynamicCache
 
@@ -116,9 +116,10 @@ def test_requests_with_lora_run_alone_and_get_their_own_results(span: SpanModel)
         runs = [asyncio.ensure_future(backend.run(0, 5, x, f"p{i}", lora=lora))
                 for i, (x, lora) in enumerate(zip(inputs, loras, strict=True))]  # fmt: skip
         caches = [DynamicCache() for _ in range(3)]
-        steps = [asyncio.ensure_future(backend.step(cache, 0, 5, SpanTensors(x.hidden[:, :1]), 64, peer=f"s{i}",
-                                                    lora=lora))
-                 for i, (cache, x, lora) in enumerate(zip(caches, inputs, loras, strict=True))]  # fmt: skip
+        steps = [
+            asyncio.ensure_future(backend.step(cache, 0, 5, SpanTensors(x.hidden[:, :1]), 64, peer=f"s{i}", lora=lora))
+            for i, (cache, x, lora) in enumerate(zip(caches, inputs, loras, strict=True))
+        ]
         await asyncio.sleep(0.05)
         release.set()
         await blocker

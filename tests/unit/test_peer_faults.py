@@ -135,8 +135,9 @@ def test_a_message_whose_parts_keep_coming_is_read_whole() -> None:
 
 
 def test_a_frame_body_that_stops_arriving_is_refused_as_a_timeout() -> None:
-    limits = transport.StreamLimits(max_frame_bytes=1 << 20, read_timeout_s=5.0, write_timeout_s=1.0,
-                                    arrival_timeout_s=0.2)  # fmt: skip
+    limits = transport.StreamLimits(
+        max_frame_bytes=1 << 20, read_timeout_s=5.0, write_timeout_s=1.0, arrival_timeout_s=0.2
+    )
 
     async def main() -> bytes:
         reader = asyncio.StreamReader()
@@ -150,8 +151,9 @@ def test_a_frame_body_that_stops_arriving_is_refused_as_a_timeout() -> None:
 
 
 def test_a_frame_body_arriving_in_pieces_is_read_whole() -> None:
-    limits = transport.StreamLimits(max_frame_bytes=1 << 20, read_timeout_s=5.0, write_timeout_s=1.0,
-                                    arrival_timeout_s=0.2)  # fmt: skip
+    limits = transport.StreamLimits(
+        max_frame_bytes=1 << 20, read_timeout_s=5.0, write_timeout_s=1.0, arrival_timeout_s=0.2
+    )
 
     async def main() -> bytes:
         reader = asyncio.StreamReader()

@@ -62,8 +62,9 @@ def request(span: SpanModel, backward: bool) -> tuple[SpanTensors, LoraWeights]:
         position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
         prompts=torch.randn(blocks, PREFIX, hidden_size, generator=generator),
     )
-    return inputs, LoraWeights(LoraSpec(rank=2, scaling=2.0, targets=("q_proj", "v_proj", "down_proj")), layout, flat,
-                               span.start)  # fmt: skip
+    return inputs, LoraWeights(
+        LoraSpec(rank=2, scaling=2.0, targets=("q_proj", "v_proj", "down_proj")), layout, flat, span.start
+    )
 
 
 def whole_span(span: SpanModel, inputs: SpanTensors, lora: LoraWeights) -> list[torch.Tensor]:

@@ -21,8 +21,9 @@ from swarmlm.swarm.records import ServerRecord, ServerState
 A, B, C, ME = "peer-a", "peer-b", "peer-c", "peer-me"
 
 
-def record(start: int, end: int, throughput: float = 10.0, state: ServerState = ServerState.ONLINE,
-           since: float = 0.0) -> ServerRecord:  # fmt: skip
+def record(
+    start: int, end: int, throughput: float = 10.0, state: ServerState = ServerState.ONLINE, since: float = 0.0
+) -> ServerRecord:
     return ServerRecord(state=state, start=start, end=end, throughput=throughput, dtype="float32", since=since)
 
 

@@ -184,8 +184,9 @@ def test_reply_names_must_be_known_unique_and_ordered(names: list[str], reason: 
         ReplyTensors.from_wire(names, tensors)
     with pytest.raises(ValueError, match="tensors"):  # the header refuses them too
         ReplyHeader(ok=True, tensors=names)
-    raw = msgpack.packb({"header": {"protocol_version": PROTOCOL_VERSION, "ok": True, "tensors": names},
-                         "n_tensors": 0})  # fmt: skip
+    raw = msgpack.packb(
+        {"header": {"protocol_version": PROTOCOL_VERSION, "ok": True, "tensors": names}, "n_tensors": 0}
+    )
     with pytest.raises(ProtocolError, match="malformed ReplyHeader"):  # as it arrives from the network
         asyncio.run(read_message(_aiter([runtime_pb2.ExpertResponse(metadata=raw)]), ReplyHeader, max_bytes=0))
 

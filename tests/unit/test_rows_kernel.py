@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F  # noqa: N812 - the usual name
+import torch.nn.functional as F
 
 from swarmlm.client import rows_kernel
 from swarmlm.client.head_batching import HeadBatcher

@@ -172,11 +172,12 @@ def test_decode_steps_batch_while_the_compute_thread_is_busy(stages: int, hold_s
         await asyncio.to_thread(started.wait, 10)  # the forward holds the thread
         steps = [
             asyncio.ensure_future(
-                scheduler.submit(Kind.INFERENCE, p, lambda: "alone", DecodeStep(0, 5, torch.full((1, 1, 2), v),
-                                                                                DynamicCache()))
+                scheduler.submit(
+                    Kind.INFERENCE, p, lambda: "alone", DecodeStep(0, 5, torch.full((1, 1, 2), v), DynamicCache())
+                )
             )
             for v, p in [(1.0, "a"), (2.0, "b"), (3.0, "c")]
-        ]  # fmt: skip
+        ]
         await asyncio.sleep(0)  # one turn of the loop: the steps queue behind the forward
         assert len(scheduler.queue) == 3
         release.set()
@@ -246,7 +247,7 @@ def test_inference_steps_run_between_the_blocks_of_a_long_request() -> None:
     order: list[str] = []
     started, queued = threading.Event(), threading.Event()
 
-    def long_forward():  # noqa: ANN202 - a generator, as SpanBackend._run_by_block
+    def long_forward():  # a generator, as SpanBackend._run_by_block
         for block in range(4):
             yield  # before each quantum
             order.append(f"block {block}")
@@ -274,7 +275,7 @@ def test_a_caller_that_gives_up_stops_its_long_request() -> None:
     ran: list[int] = []
     started = threading.Event()
 
-    def endless():  # noqa: ANN202
+    def endless():
         while True:
             yield
             ran.append(1)
@@ -315,7 +316,7 @@ def test_long_work_runs_in_small_quanta_while_sessions_decode_and_in_whole_block
 def test_the_executor_sends_each_quantum_its_size() -> None:
     sizes: list[int | None] = []
 
-    def long_forward():  # noqa: ANN202 - a generator, as SpanBackend._run_by_block
+    def long_forward():  # a generator, as SpanBackend._run_by_block
         for _ in range(3):
             sizes.append((yield))
         return "done"
@@ -404,8 +405,9 @@ def test_a_session_not_due_soon_and_an_ended_one_are_never_waited_for() -> None:
     _, latencies = rhythmic_sessions(BatchLimits(decode_wait_s=0.1), [0.0, 0.005], [0.02, 0.3], steps=10)
     assert sorted(latencies[0])[len(latencies[0]) // 2] < 0.02
     # a session that ended is not waited for either, though it stepped in rhythm until then
-    _, latencies = rhythmic_sessions(BatchLimits(decode_wait_s=0.1), [0.0, 0.01], [0.05, 0.05], steps=10,
-                                     forget_after=3)  # fmt: skip
+    _, latencies = rhythmic_sessions(
+        BatchLimits(decode_wait_s=0.1), [0.0, 0.01], [0.05, 0.05], steps=10, forget_after=3
+    )
     assert sorted(latencies[0])[-3] < 0.02
 
 
@@ -424,12 +426,13 @@ def test_a_server_behind_batches_every_step_it_has() -> None:
     # the same four sessions on a server busy nearly all the time (each forward takes 95% of a step's interval):
     # a chain of two no longer splits them into cohorts
     offsets, intervals = [0.0, 0.01, 0.02, 0.03], [0.005] * 4
-    chained, _ = rhythmic_sessions(BatchLimits(decode_wait_s=0.1, stages=2), offsets, intervals, steps=8,
-                                   compute_s=0.1)  # fmt: skip
+    chained, _ = rhythmic_sessions(
+        BatchLimits(decode_wait_s=0.1, stages=2), offsets, intervals, steps=8, compute_s=0.1
+    )
     assert max(chained) == 4
 
 
-def simulate_turns(queue: list[Task], refill, turns: int) -> list[Task]:  # noqa: ANN001 - refill(task) -> Task
+def simulate_turns(queue: list[Task], refill, turns: int) -> list[Task]:  # refill(task) -> Task
     """Run `turns` decisions on a fake clock as the executor would: each batch is served, and each task that ran
     is replaced by refill(task) (a flood that never runs dry). The heads of the batches that ran, in order."""
     limits, state, ran = BatchLimits(quantum_tokens=256, decode_wait_s=0.0), SchedulerState(), []

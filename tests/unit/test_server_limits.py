@@ -75,7 +75,7 @@ class SpanOnly:
     def __init__(self) -> None:
         self.limits = SpanLimits(start=2, end=7, hidden_size=8, max_tokens=64, max_position=128)
 
-    def session_ended(self, cache) -> None:  # noqa: ANN001
+    def session_ended(self, cache) -> None:
         pass
 
 
@@ -155,7 +155,7 @@ class FailingBackend:
         self.limits = SpanLimits(start=0, end=2, hidden_size=8, max_tokens=64, max_position=64)
         self.touch_cache = touch_cache
 
-    async def step(  # noqa: ANN201
+    async def step(
         self,
         cache,
         start,
@@ -166,13 +166,13 @@ class FailingBackend:
         peer="",
         adapter=None,
         lora=None,
-        host="",  # noqa: ANN001
+        host="",
     ):
         if self.touch_cache:
             cache.update(torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 1, 4), 0)
         raise RuntimeError("boom " + "x" * 5000)
 
-    def session_ended(self, cache) -> None:  # noqa: ANN001
+    def session_ended(self, cache) -> None:
         pass
 
 

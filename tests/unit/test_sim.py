@@ -53,8 +53,9 @@ def test_an_event_scheduled_by_an_event_runs_at_its_own_time() -> None:
 
 
 def small(servers: int, **kw: object) -> Simulation:
-    scenario = sc.Scenario(servers=servers, clients=0, num_blocks=4, gpus=(TWO_BLOCKS,), outage_hour=None,
-                           uptime_median_h=1e4, **kw)  # type: ignore[arg-type]  # fmt: skip
+    scenario = sc.Scenario(
+        servers=servers, clients=0, num_blocks=4, gpus=(TWO_BLOCKS,), outage_hour=None, uptime_median_h=1e4, **kw
+    )  # type: ignore[arg-type]
     return Simulation(scenario)
 
 

@@ -36,8 +36,9 @@ def tiny_model() -> LlamaForCausalLM:
 
 def greedy(model: LlamaForCausalLM, ids: torch.Tensor, count: int) -> list[int]:
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=count, do_sample=False,
-                             min_new_tokens=count)  # fmt: skip
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=count, do_sample=False, min_new_tokens=count
+        )
     return out[0, ids.shape[1] :].tolist()
 
 

@@ -175,8 +175,9 @@ def test_a_template_without_tools_gets_them_in_a_system_message_and_results_as_a
     assert plan.fmt == GENERIC and plan.template_tools is None and plan.grammar is not None
     roles = [m["role"] for m in plan.messages]
     assert roles == ["system", "user", "assistant", "user"] and "get_weather" in plan.messages[0]["content"]
-    assert json.loads(plan.messages[2]["content"]) == {"tool_calls": [{"name": "get_weather",
-                                                                       "arguments": {"city": "Oslo"}}]}  # fmt: skip
+    assert json.loads(plan.messages[2]["content"]) == {
+        "tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}}]
+    }
     assert "-3 C" in plan.messages[3]["content"] and "call_1" in plan.messages[3]["content"]
     assert plan_tools(chat(messages=FOLLOW_UP, tools=TOOLS, tool_choice="none"), "").parsed == frozenset()
     auto = plan_tools(chat(messages=FOLLOW_UP, tools=TOOLS), "")
@@ -185,8 +186,9 @@ def test_a_template_without_tools_gets_them_in_a_system_message_and_results_as_a
 
 def test_a_template_with_tools_renders_them_itself() -> None:
     plan = plan_tools(chat(messages=FOLLOW_UP, tools=TOOLS, tool_choice="auto"), HERMES_TEMPLATE)
-    assert plan.fmt == HERMES and plan.template_tools == [{"type": "function", "function": {
-        "name": "get_weather", "parameters": WEATHER.parameters}}]  # fmt: skip
+    assert plan.fmt == HERMES and plan.template_tools == [
+        {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER.parameters}}
+    ]
     assert plan.messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
     assert plan.messages[2] == {"role": "tool", "content": "-3 C", "tool_call_id": "call_1", "name": "get_weather"}
 

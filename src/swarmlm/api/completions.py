@@ -49,8 +49,9 @@ def check_bias(rules: LogitRules, engine: Engine) -> None:
     vocab = vocab_size(engine)
     for token, _ in rules.logit_bias:
         if token >= vocab:
-            raise ApiError(400, f"'logit_bias' names token id {token}; this model's ids are 0 to {vocab - 1}",
-                           param="logit_bias")  # fmt: skip
+            raise ApiError(
+                400, f"'logit_bias' names token id {token}; this model's ids are 0 to {vocab - 1}", param="logit_bias"
+            )
 
 
 def total(usage: Sequence[Usage]) -> Usage:

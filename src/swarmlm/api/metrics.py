@@ -78,8 +78,9 @@ class ApiMetrics:
                [(f'{{outcome="{_label(k)}"}}', v) for k, v in sorted(self.requests.items())])  # fmt: skip
         family(out, "errors_total", "counter", "error replies, by kind (OpenAI code or type)",
                [(f'{{kind="{_label(k)}"}}', v) for k, v in sorted(self.errors.items())])  # fmt: skip
-        family(out, "prompt_tokens_total", "counter", "prompt tokens of finished generations",
-               [("", self.prompt_tokens)])  # fmt: skip
+        family(
+            out, "prompt_tokens_total", "counter", "prompt tokens of finished generations", [("", self.prompt_tokens)]
+        )
         family(out, "generation_tokens_total", "counter", "tokens generated", [("", self.generation_tokens)])
         for name, help_text, histogram in (
             ("time_to_first_token_seconds", "time from a request to its first token", self.time_to_first_token),

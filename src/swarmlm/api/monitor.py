@@ -211,8 +211,9 @@ def _table(servers: list[dict[str, Any]]) -> str:
         for server in servers
     ]
     widths = [max(len(row[i]) for row in rows) for i in range(len(HEADERS))]
-    return "\n".join("  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
-                     for row in rows)  # fmt: skip
+    return "\n".join(
+        "  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows
+    )
 
 
 def _speed_sources(servers: list[dict[str, Any]]) -> list[str]:

@@ -37,8 +37,9 @@ def token_logprobs(
     best = logprobs.topk(min(top, logprobs.shape[-1]), dim=-1) if top else None  # sorted, most likely first
     rows = []
     for row, logprob in enumerate(picked):
-        alternatives = () if best is None else tuple(zip(best.indices[row].tolist(), best.values[row].tolist(),
-                                                         strict=True))  # fmt: skip
+        alternatives = (
+            () if best is None else tuple(zip(best.indices[row].tolist(), best.values[row].tolist(), strict=True))
+        )
         rows.append((logprob, alternatives))
     return rows
 

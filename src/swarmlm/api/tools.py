@@ -180,8 +180,9 @@ def _answer(last: Delta, text: str, logprobs: tuple[TokenLogprob, ...], plan: To
     """A choice's whole answer as one delta: its tool calls, or its text."""
     content, calls = parse_calls(plan.fmt, text, plan.parsed)
     if calls and last.finish_reason == "stop":
-        return ToolDelta(index=last.index, text=content or "", finish_reason="tool_calls", logprobs=logprobs,
-                         tool_calls=calls)  # fmt: skip
+        return ToolDelta(
+            index=last.index, text=content or "", finish_reason="tool_calls", logprobs=logprobs, tool_calls=calls
+        )
     return Delta(index=last.index, text=text, finish_reason=last.finish_reason, logprobs=logprobs)
 
 
@@ -255,8 +256,9 @@ def _generic_conversation(
     for message in messages:
         turn: dict[str, Any] = dict(message.as_template_input())
         if message.tool_calls:
-            calls = [{"name": c.function.name, "arguments": _arguments(c.function.arguments)}
-                     for c in message.tool_calls]  # fmt: skip
+            calls = [
+                {"name": c.function.name, "arguments": _arguments(c.function.arguments)} for c in message.tool_calls
+            ]
             turn["content"] = (turn["content"] + "\n" if turn["content"] else "") + json.dumps({"tool_calls": calls})
         if message.role == "tool":
             result = {"tool_call_id": message.tool_call_id, "name": names.get(message.tool_call_id or "", ""),

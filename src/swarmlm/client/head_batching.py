@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F  # noqa: N812 - the usual name
+import torch.nn.functional as F
 
 from swarmlm.client import rows_kernel
 from swarmlm.client.rows_kernel import float32_cpu_matrix

@@ -23,7 +23,7 @@ import threading
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F  # noqa: N812 - the usual name
+import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +76,9 @@ class RowsKernel:
     def product(self, rows: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
         """rows (m, in_features) times the packed weight, transposed (+ bias): (m, out_features)."""
         if rows.dim() != 2 or rows.shape[1] != packed.in_features or rows.dtype != torch.float32:
-            raise ValueError(f"rows of shape (m, {packed.in_features}) in float32 expected, got "
-                             f"{tuple(rows.shape)} {rows.dtype}")  # fmt: skip
+            raise ValueError(
+                f"rows of shape (m, {packed.in_features}) in float32 expected, got {tuple(rows.shape)} {rows.dtype}"
+            )
         if rows.device.type != "cpu":
             raise ValueError("the kernel multiplies CPU tensors only")
         if packed.padded_in != packed.in_features:

@@ -138,8 +138,9 @@ class SwarmView:
         blocks = [b for b in range(start, end) if _covers(lacking, b) and not _covers(holding, b)]
         if not blocks:
             return None
-        held = sorted((r.start, peer) for peer, r in self.without_adapter.items()
-                      if r.start <= blocks[-1] and r.end > blocks[0])  # fmt: skip
+        held = sorted(
+            (r.start, peer) for peer, r in self.without_adapter.items() if r.start <= blocks[-1] and r.end > blocks[0]
+        )
         lines = [_holdings(peer, self.without_adapter[peer]) for _, peer in held[:MAX_LISTED_SERVERS]]
         if len(held) > MAX_LISTED_SERVERS:
             lines.append(f"{len(held) - MAX_LISTED_SERVERS} more servers")

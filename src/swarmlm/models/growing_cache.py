@@ -61,8 +61,9 @@ class GrowingLayer(DynamicLayer):
                 return False
             if buffer.dtype != new.dtype or buffer.device != new.device:
                 return False
-            if length and (current is None or current.data_ptr() != buffer.data_ptr()
-                           or current.stride() != buffer.stride()):  # fmt: skip
+            if length and (
+                current is None or current.data_ptr() != buffer.data_ptr() or current.stride() != buffer.stride()
+            ):
                 return False  # replaced (a beam reorder, a batch selection): its values are taken over
         return True
 

@@ -8,7 +8,7 @@ import functools
 from collections.abc import Iterator
 
 import torch
-import torch.nn.functional as F  # noqa: N812 - the usual name
+import torch.nn.functional as F
 from torch import nn
 
 from swarmlm.protocol.lora import LoraWeights

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from types import ModuleType
 
 import torch
-import torch.nn.functional as F  # noqa: N812 - the usual name
+import torch.nn.functional as F
 from torch import nn
 
 from swarmlm.errors import SwarmError

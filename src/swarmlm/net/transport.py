@@ -113,7 +113,7 @@ class StreamLimits:
     arrival_timeout_s: float  # longest a frame's body, once announced, may go without a byte arriving
 
 
-class _EndOfFrames(Exception):  # noqa: N818 - a signal between the reader and the handler's iterator, not an error
+class _EndOfFrames(Exception):  # a signal between the reader and the handler's iterator, not an error
     """The peer ended its stream (or vanished)."""
 
 
@@ -193,8 +193,9 @@ class _Stream:
         except TimeoutError as e:
             raise arrival_timeout("a frame's header", self.limits.arrival_timeout_s) from e
         if length > self.limits.max_frame_bytes:
-            raise LimitError(f"a frame of {length} bytes exceeds this server's limit of {self.limits.max_frame_bytes}",
-                             "too_large")  # fmt: skip
+            raise LimitError(
+                f"a frame of {length} bytes exceeds this server's limit of {self.limits.max_frame_bytes}", "too_large"
+            )
         if marker == P2P.ERROR_MARKER:  # hivemind's clients end a stream with an (empty) error frame
             await self._read_body(length)
             return None
@@ -231,8 +232,9 @@ class _Stream:
         except TimeoutError as e:
             if not whole.expired():
                 raise arrival_timeout(f"a frame of {length} bytes", limits.arrival_timeout_s) from e
-            raise LimitError(f"a frame of {length} bytes did not arrive in {limits.read_timeout_s:.0f} s",
-                             TIMEOUT_KIND) from e  # fmt: skip
+            raise LimitError(
+                f"a frame of {length} bytes did not arrive in {limits.read_timeout_s:.0f} s", TIMEOUT_KIND
+            ) from e
         except ConnectionError as e:
             raise _EndOfFrames from e
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
@@ -287,8 +289,9 @@ async def register(
                 await _serve_stream(handler, name, p2p, info, reader, writer, ledger, limits)
             except Exception as e:  # noqa: BLE001 - p2pd runs this as a task nobody awaits: its failure is told here
                 peer = info.peer_id.to_base58()
-                PEER_FAULTS.warning(logger, peer, "stream failed peer=...%s: %s", peer[-6:],
-                                    short(f"{type(e).__name__}: {e}"))  # fmt: skip
+                PEER_FAULTS.warning(
+                    logger, peer, "stream failed peer=...%s: %s", peer[-6:], short(f"{type(e).__name__}: {e}")
+                )
 
         await p2p.add_binary_stream_handler(name, handle)
 
@@ -359,8 +362,9 @@ async def _answer(
     try:
         await _send_all(replies, stream, writer, limits)
     except Exception as e:  # noqa: BLE001 - a handler's failure reaches the peer as a short error, as in hivemind
-        PEER_FAULTS.warning(logger, stream.peer, "handler failed peer=...%s: %s", stream.peer[-6:],
-                            short(f"{type(e).__name__}: {e}"))  # fmt: skip
+        PEER_FAULTS.warning(
+            logger, stream.peer, "handler failed peer=...%s: %s", stream.peer[-6:], short(f"{type(e).__name__}: {e}")
+        )
         stream.wrote_last = False
         with contextlib.suppress(Exception):
             error = RPCError(message=short(f"{type(e).__name__}: {e}"))

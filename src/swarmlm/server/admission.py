@@ -48,8 +48,9 @@ def admit_now(ledger: PeerLedger, cache_used: int, cache_capacity: int, peer: st
     session on the ledger); else the refusal, without waiting or reclaiming (the server tries those next, the
     simulator's servers do not wait). too_large: the session exceeds the whole cache or the peer's share of it."""
     if tokens > cache_capacity:
-        return LimitError(f"a session of {tokens} block-tokens exceeds this server's cache of {cache_capacity}",
-                          "too_large")  # fmt: skip
+        return LimitError(
+            f"a session of {tokens} block-tokens exceeds this server's cache of {cache_capacity}", "too_large"
+        )
     try:
         ledger.open_session(peer)
     except LimitError as e:
@@ -61,6 +62,7 @@ def admit_now(ledger: PeerLedger, cache_used: int, cache_capacity: int, peer: st
         return e
     if cache_used + tokens > cache_capacity:
         ledger.close_session(peer)
-        return LimitError(f"server busy: {cache_used} of {cache_capacity} cache block-tokens in use, {tokens} asked",
-                          "busy")  # fmt: skip
+        return LimitError(
+            f"server busy: {cache_used} of {cache_capacity} cache block-tokens in use, {tokens} asked", "busy"
+        )
     return None

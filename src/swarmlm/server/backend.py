@@ -217,7 +217,7 @@ class SpanBackend:
             decode = DecodeStep(start, end, inputs.hidden, cache, adapter, inputs.attention_mask, inputs.position_ids)
         elif lora is None and _plain_prompt(
             cache, start, inputs, start_from, self._prompt_limit(start, end, chunk_tokens)
-        ):  # fmt: skip
+        ):
             decode = DecodeStep(start, end, inputs.hidden, cache, adapter, budget=chunk_tokens)
         kind = Kind.PROMPT if long else Kind.INFERENCE
         result: tuple[list[torch.Tensor], float] = await self.scheduler.submit(kind, peer, run, decode, host=host)
@@ -327,8 +327,9 @@ class SpanBackend:
         median of warm rounds, each step written at the same position (server/speed.py)."""
         cache = GrowingCache()
         start = self.span.start
-        whole(self._step(cache, start, start + 1, SpanTensors(torch.randn(1, past, self.limits.hidden_size)), past,
-                         None))  # fmt: skip
+        whole(
+            self._step(cache, start, start + 1, SpanTensors(torch.randn(1, past, self.limits.hidden_size)), past, None)
+        )
         token = SpanTensors(torch.randn(1, 1, self.limits.hidden_size))
         return median_rate(lambda: whole(self._step(cache, start, start + 1, token, 1, past))[1] / 1000, 1)
 
@@ -383,7 +384,7 @@ def _plain_decode(cache: DynamicCache, start: int, inputs: SpanTensors, start_fr
 
 def _plain_prompt(
     cache: DynamicCache, start: int, inputs: SpanTensors, start_from: int | None, max_tokens: int
-) -> bool:  # fmt: skip
+) -> bool:
     """A step that may share a forward with other fresh sessions' prompts: the first tokens (2 to max_tokens, one
     row) of a session holding nothing yet, at positions 0, 1, ..., without padding, prompts, LoRA weights or
     reordering (anything else runs alone)."""

@@ -97,8 +97,9 @@ def pick_victims(
 
     victims: list[Holding] = []
     while coming < needed:
-        candidates = [h for h in held if not (h.cutting or h.busy or h in victims) and h.peer != asker_peer
-                      and richer(h)]  # fmt: skip
+        candidates = [
+            h for h in held if not (h.cutting or h.busy or h in victims) and h.peer != asker_peer and richer(h)
+        ]
         if not candidates:
             break
         victim = min(candidates, key=lambda h: (_quietness(h.idle_s(now), idle_s), -by_host[h.host],

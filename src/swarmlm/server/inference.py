@@ -320,8 +320,9 @@ class InferenceSessions:
                 text = short(f"{type(e).__name__}: {e}")
                 self.steps_failed += 1
                 outcome = "session goes on" if intact else "cache changed, closing"
-                PEER_FAULTS.warning(logger, peer, "inference step failed peer=...%s (%s): %s\n%s", peer[-6:], outcome,
-                                    text, where(e))  # fmt: skip
+                PEER_FAULTS.warning(
+                    logger, peer, "inference step failed peer=...%s (%s): %s\n%s", peer[-6:], outcome, text, where(e)
+                )
                 yield _reply(ReplyHeader(ok=False, error=text, error_kind="server"))
                 if not intact:
                     return
@@ -444,11 +445,11 @@ class _Reader:
             await read
 
 
-class _Closing(Exception):  # noqa: N818 - a signal between two methods, never raised out of this module
+class _Closing(Exception):  # a signal between two methods, never raised out of this module
     """The server closes its sessions (it drains, then leaves or moves)."""
 
 
-class _Overflowed(Exception):  # noqa: N818 - a signal between two methods, never raised out of this module
+class _Overflowed(Exception):  # a signal between two methods, never raised out of this module
     """A step pushed to the session was refused: its inbox was full."""
 
 

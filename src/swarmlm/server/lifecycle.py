@@ -31,7 +31,7 @@ Claim = Callable[[Span, float], Awaitable[ServerRecord]]  # announce JOINING on 
 
 
 async def claim_wait() -> None:
-    await asyncio.sleep(random.uniform(*CLAIM_WAIT_S))  # noqa: S311 - jitter, not cryptography
+    await asyncio.sleep(random.uniform(*CLAIM_WAIT_S))  # jitter, not cryptography
 
 
 async def claim_span(read: ReadSwarm, claim: Claim, num_blocks_total: int, n: int, me: str) -> tuple[Span, float]:
@@ -70,4 +70,4 @@ async def _wait_until(done: Callable[[], bool], deadline: float) -> None:
 
 def rebalance_delay(interval_s: float) -> float:
     """Seconds to the next rebalance check: the interval, jittered so that servers do not check (and move) in step."""
-    return interval_s * random.uniform(0.5, 1.5)  # noqa: S311 - jitter, not cryptography
+    return interval_s * random.uniform(0.5, 1.5)  # jitter, not cryptography

@@ -195,13 +195,14 @@ class Scheduler:
         loop = asyncio.get_running_loop()
         members = [member for task in batch for member in (_work(task).members or [task])]
         waiting = {task.peer for task in self.queue} | {task.host for task in self.queue}
-        self.state.served([task.peer for task in members], waiting, [task.host for task in members],
-                          long=batch[0].kind in LONG_KINDS)  # fmt: skip
+        self.state.served(
+            [task.peer for task in members], waiting, [task.host for task in members], long=batch[0].kind in LONG_KINDS
+        )
         self._measure()
         began = self.clock()
         try:
             results = await loop.run_in_executor(self.executor, self._execute, batch, quantum)
-        except BaseException as e:  # noqa: BLE001 - every waiting caller gets the failure, then the loop goes on
+        except BaseException as e:  # every waiting caller gets the failure, then the loop goes on
             _fail(batch, e)
             if isinstance(e, asyncio.CancelledError):
                 raise
@@ -223,8 +224,9 @@ class Scheduler:
         run_joined, joins = self.run_joined, [task.join for task in batch if task.join is not None]
         head = batch[0]
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        merged = Task(head.kind, head.peer, head.seq, work=Work(lambda: run_joined(joins), future, members=batch),
-                      host=head.host)  # fmt: skip
+        merged = Task(
+            head.kind, head.peer, head.seq, work=Work(lambda: run_joined(joins), future, members=batch), host=head.host
+        )
 
         def hand_out(done: asyncio.Future[Any]) -> None:
             for index, task in enumerate(batch):

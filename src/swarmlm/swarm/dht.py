@@ -208,7 +208,7 @@ def check_announce_maddrs(maddrs: Sequence[str], flag: str = "--announce-maddrs"
     for maddr in maddrs:
         try:
             parsed = Multiaddr(maddr)
-        except Exception as e:  # noqa: BLE001 - the multiaddr parser raises assorted types for malformed text
+        except Exception as e:  # the multiaddr parser raises assorted types for malformed text
             raise SwarmError(f"{flag}: {maddr!r} is not a multiaddr: {e}") from e
         protocols = {p.name for p in parsed.protocols()}
         port = next((parsed.value_for_protocol(p) for p in ("tcp", "udp") if p in protocols), None)

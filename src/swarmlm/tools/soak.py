@@ -316,8 +316,9 @@ def _soak(swarm: LocalSwarm, model_dir: Path, plan: SoakPlan, inputs: list[torch
     return SoakReport(plan, seconds, tally, churn.events, churn.moves(), samples, growth(samples, warmup_s), [])
 
 
-def _drive(churn: Churn, plan: SoakPlan, began: float, samples: list[Sample], tally: Tally,
-           progress: Callable[[str], None]) -> None:  # fmt: skip
+def _drive(
+    churn: Churn, plan: SoakPlan, began: float, samples: list[Sample], tally: Tally, progress: Callable[[str], None]
+) -> None:
     """Sample the servers every sample_interval_s and run an event every event_interval_s until the time is up."""
     next_event, index, end = began + plan.event_interval_s, 0, began + plan.minutes * 60
     while (now := time.monotonic()) < end:

@@ -145,15 +145,17 @@ def run_training(options: TrainOptions) -> tuple[float, float]:
 
     train_set, held_out = split_examples(load_examples(), options.held_out)
     if not 1 <= options.batch_size <= len(train_set):  # checked before the model loads and any server starts
-        raise ConfigError(f"--batch-size {options.batch_size}: must be from 1 up to {len(train_set)}, the task's "
-                          "training examples")  # fmt: skip
+        raise ConfigError(
+            f"--batch-size {options.batch_size}: must be from 1 up to {len(train_set)}, the task's training examples"
+        )
     model_dir = resolve_model(options.model, revision=options.revision)
     task = SentimentTask(load_tokenizer(model_dir))
     swarm, peers = None, options.initial_peers
     if not peers:
         print(f"Starting {options.servers} local servers for {options.model} ...", flush=True)
-        swarm = start_even_swarm(str(model_dir), load_config(model_dir).num_hidden_layers, options.servers,
-                                  options.swarm_key_file)  # fmt: skip
+        swarm = start_even_swarm(
+            str(model_dir), load_config(model_dir).num_hidden_layers, options.servers, options.swarm_key_file
+        )
         peers = tuple(swarm.initial_peers)
     try:
         with AutoDistributedModelForCausalLM.from_pretrained(

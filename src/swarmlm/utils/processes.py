@@ -75,4 +75,4 @@ def start_spawner() -> ThreadPoolExecutor:
 
 
 def _popen(args: list[str], popen_kwargs: dict[str, Any]) -> subprocess.Popen:
-    return subprocess.Popen(args, preexec_fn=set_parent_death_signal, **popen_kwargs)  # noqa: PLW1509
+    return subprocess.Popen(args, preexec_fn=set_parent_death_signal, **popen_kwargs)

@@ -105,8 +105,9 @@ class NetSwarm(LocalSwarm):
         on the bootstrap node's relay, through which it is dialled."""
         if link.delay_ms > 0:
             raise SwarmError("a link behind NAT has no delaying relay: its delay cannot be emulated")
-        process = self.bed.spawn(host, [*args, "--port", str(SERVER_PORT), "--relay", *self.initial_peers],
-                                 **popen_kwargs)  # fmt: skip
+        process = self.bed.spawn(
+            host, [*args, "--port", str(SERVER_PORT), "--relay", *self.initial_peers], **popen_kwargs
+        )
         self.links[process.pid] = link
         return process
 
