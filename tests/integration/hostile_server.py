@@ -23,6 +23,7 @@ behaviours: they live in this file only.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import sys
 from collections.abc import AsyncIterator
@@ -32,13 +33,12 @@ import torch
 from hivemind.proto import runtime_pb2
 
 from swarmlm.cli import main as cli
-from swarmlm.protocol.bundle import ReplyName
+from swarmlm.protocol.bundle import ReplyName, ReplyTensors
 from swarmlm.protocol.codec import CHUNK_BYTES, encode, read_only_message
 from swarmlm.protocol.messages import ForwardRequest, ReplyHeader
 from swarmlm.server import backend as backend_module
 from swarmlm.server import server as server_module
 from swarmlm.server import speed
-from swarmlm.server.backend import named_results
 from swarmlm.server.handler import Parts, Replies, SpanHandler
 from swarmlm.server.validation import check_span_request
 
@@ -70,8 +70,7 @@ class HostileHandler(SpanHandler):
         hidden = tensors[0]
         if mode == "too_large_rows" and hidden.shape[0] == 1:
             inputs = check_span_request(header, tensors, self.backend.limits)
-            outputs, _ = await self.backend.run(header.start_block, header.end_block, inputs)
-            bundle = named_results(inputs, outputs)
+            bundle, _ = await self.backend.run(header.start_block, header.end_block, inputs)
             for part in encode(
                 ReplyHeader(ok=True, tensors=bundle.names()), bundle.tensors(), runtime_pb2.ExpertResponse
             ):
@@ -132,7 +131,7 @@ async def _huge_reply() -> AsyncIterator[runtime_pb2.ExpertResponse]:
         yield runtime_pb2.ExpertResponse(tensors=[runtime_pb2.Tensor(buffer=buffer)])
 
 
-def _perturbed(outputs: list[torch.Tensor], kind: str) -> list[torch.Tensor]:
+def _perturbed(reply: ReplyTensors, kind: str) -> ReplyTensors:
     mode = MODE_FILE.read_text().strip()
     if (
         (mode == "perturb" and kind in ("forward", "step"))
@@ -140,20 +139,21 @@ def _perturbed(outputs: list[torch.Tensor], kind: str) -> list[torch.Tensor]:
         or (mode == "perturb_sessions" and kind == "step")
     ):
         print(PERTURBED_LINE, flush=True)
-        return [outputs[0] * (1 + PERTURBATION), *outputs[1:]]
-    return outputs
+        first = reply.names()[0]  # the hidden states, or a backward's gradient wrt them
+        return dataclasses.replace(reply, **{first: getattr(reply, first) * (1 + PERTURBATION)})
+    return reply
 
 
 def _perturbing_backend() -> None:
     honest_run, honest_step = backend_module.SpanBackend.run, backend_module.SpanBackend.step
 
     async def run(self, start, end, inputs, *args, **kwargs):  # as patched
-        outputs, compute_ms = await honest_run(self, start, end, inputs, *args, **kwargs)
-        return _perturbed(outputs, "forward" if inputs.grad_outputs is None else "backward"), compute_ms
+        reply, compute_ms = await honest_run(self, start, end, inputs, *args, **kwargs)
+        return _perturbed(reply, "forward" if inputs.grad_outputs is None else "backward"), compute_ms
 
     async def step(self, *args, **kwargs):
-        outputs, compute_ms = await honest_step(self, *args, **kwargs)
-        return _perturbed(outputs, "step"), compute_ms
+        reply, compute_ms = await honest_step(self, *args, **kwargs)
+        return _perturbed(reply, "step"), compute_ms
 
     backend_module.SpanBackend.run, backend_module.SpanBackend.step = run, step
 

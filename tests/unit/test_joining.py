@@ -12,10 +12,10 @@ import torch
 
 from swarmlm.models.span import SpanModel
 from swarmlm.protocol.bundle import SpanTensors
-from swarmlm.server.backend import SpanBackend, whole
+from swarmlm.server.backend import SpanBackend, SpanWork, StepWork, whole
 from swarmlm.server.joining import JoinableRequest, can_join
 from swarmlm.server.scheduler import BatchLimits, Kind, next_batch
-from tests.unit.test_scheduler import task
+from tests.unit.test_scheduler import hold, task
 
 HIDDEN = 64
 # fp32: a request's results joined with others equal its results alone this closely
@@ -50,6 +50,23 @@ def requests(kind: str, seq: int = 6) -> list[SpanTensors]:
     return out
 
 
+@pytest.mark.parametrize(("kind", "names"), [("forward", ["hidden"]), ("backward", ["grad_hidden"]),
+                                             ("backward_shared", ["grad_hidden", "grad_prompts"])])  # fmt: skip
+def test_a_work_item_runs_to_its_reply_named(backend: SpanBackend, kind: str, names: list[str]) -> None:
+    """The executor runs a work item (data: what, over which blocks, with which tensors) to its reply, named for
+    what the request sent; the tensors are those of the computation's own results."""
+    inputs = requests(kind)[1]
+    reply, _ = whole(backend.execute(SpanWork(0, 5, inputs)))
+    assert reply.names() == names
+    alone, _ = backend._run(0, 5, inputs)
+    assert all(torch.equal(got, own) for got, own in zip(reply.tensors(), alone, strict=True))
+    from swarmlm.models.growing_cache import GrowingCache
+
+    step = StepWork(GrowingCache(), 0, 5, SpanTensors(inputs.hidden), chunk_tokens=1024)
+    stepped, _ = whole(backend.execute(step))
+    assert stepped.names() == ["hidden"] and step.cache.get_seq_length(0) == inputs.hidden.shape[1]
+
+
 @pytest.mark.parametrize("kind", ["forward", "forward_shared", "backward", "backward_shared", "backward_per_row"])
 def test_joined_requests_get_what_they_would_get_alone(backend: SpanBackend, kind: str) -> None:
     inputs = requests(kind)
@@ -59,7 +76,7 @@ def test_joined_requests_get_what_they_would_get_alone(backend: SpanBackend, kin
         while True:
             next(joined_run)
     except StopIteration as done:
-        joined = [outputs for outputs, _ in done.value]
+        joined = [reply.tensors() for reply, _ in done.value]  # named: in wire order
     for own, together, request in zip(alone, joined, inputs, strict=True):
         assert [t.shape for t in together] == [t.shape for t in own]
         if request.prompts is not None and kind.startswith("backward"):
@@ -106,22 +123,21 @@ def test_joined_requests_of_different_peers_run_once_and_get_their_own_results(b
     inputs = requests("forward")
     release = threading.Event()
 
-    async def main() -> list[list[torch.Tensor]]:
-        scheduler = backend.scheduler
-        blocker = asyncio.ensure_future(scheduler.submit(Kind.FORWARD, "busy", release.wait))
+    async def main() -> list[torch.Tensor]:
+        blocker = asyncio.ensure_future(hold(backend.scheduler, release))
         await asyncio.sleep(0.05)  # the compute thread is busy: the requests below wait together
         runs = [asyncio.ensure_future(backend.run(0, 5, request, peer=f"p{i}")) for i, request in enumerate(inputs)]
         await asyncio.sleep(0.05)
         release.set()
         await blocker
-        return [outputs for outputs, _ in await asyncio.gather(*runs)]
+        return [reply.required("hidden") for reply, _ in await asyncio.gather(*runs)]
 
     before = backend.scheduler.joined_runs
     results = asyncio.run(main())
     assert backend.scheduler.joined_runs == before + 1 and backend.scheduler.joined_requests >= 3
     for request, outputs in zip(inputs, results, strict=True):
         alone = backend._run(0, 5, request)[0]
-        assert (outputs[0] - alone[0]).abs().max().item() <= TOLERANCE
+        assert (outputs - alone[0]).abs().max().item() <= TOLERANCE
 
 
 def test_fresh_sessions_prompts_waiting_together_run_as_one_forward(backend: SpanBackend) -> None:
@@ -134,8 +150,7 @@ def test_fresh_sessions_prompts_waiting_together_run_as_one_forward(backend: Spa
     release = threading.Event()
 
     async def main() -> list[torch.Tensor]:
-        scheduler = backend.scheduler
-        blocker = asyncio.ensure_future(scheduler.submit(Kind.FORWARD, "busy", release.wait))
+        blocker = asyncio.ensure_future(hold(backend.scheduler, release))
         await asyncio.sleep(0.05)
         steps = [
             asyncio.ensure_future(backend.step(cache, 1, 4, prompt, 1024, peer=f"p{i}"))
@@ -144,7 +159,7 @@ def test_fresh_sessions_prompts_waiting_together_run_as_one_forward(backend: Spa
         await asyncio.sleep(0.05)
         release.set()
         await blocker
-        return [outputs[0] for outputs, _ in await asyncio.gather(*steps)]
+        return [reply.required("hidden") for reply, _ in await asyncio.gather(*steps)]
 
     before = backend.scheduler.joined_prompts
     results = asyncio.run(main())
@@ -177,14 +192,14 @@ def test_a_long_prompt_runs_in_quanta_between_other_sessions_steps(backend: Span
             order.append("decode")
 
         async def long_prompt() -> torch.Tensor:
-            (out,), _ = await backend.step(alone_cache, 0, 5, prompt, 1024, peer="flood")
+            reply, _ = await backend.step(alone_cache, 0, 5, prompt, 1024, peer="flood")
             order.append("prompt")
-            return out
+            return reply.required("hidden")
 
         flood = asyncio.ensure_future(long_prompt())
         for i in range(3):
             await decode(i)
-        return whole_prompt[0][0], await flood
+        return whole_prompt[0].required("hidden"), await flood
 
     limits = backend.scheduler.limits
     backend.scheduler.limits = dataclasses.replace(limits, quantum_tokens=16)

@@ -25,9 +25,9 @@ from swarmlm.protocol.bundle import ReplyTensors, SpanTensors
 from swarmlm.protocol.lora import LoraSpec, LoraWeights, lora_layout
 from swarmlm.server.backend import SpanBackend
 from swarmlm.server.joining import JoinableRequest, can_join
-from swarmlm.server.scheduler import Kind
 from swarmlm.server.validation import SpanLimits, check_lora
 from swarmlm.swarm.routing import RouteSpan
+from tests.unit.test_scheduler import hold
 
 SPEC = LoraSpec(rank=2, scaling=2.0, targets=("q_proj", "v_proj"))
 
@@ -110,8 +110,7 @@ def test_requests_with_lora_run_alone_and_get_their_own_results(span: SpanModel)
     release = threading.Event()
 
     async def main() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        scheduler = backend.scheduler
-        blocker = asyncio.ensure_future(scheduler.submit(Kind.FORWARD, "busy", release.wait))
+        blocker = asyncio.ensure_future(hold(backend.scheduler, release))
         await asyncio.sleep(0.05)  # the compute thread is busy: the requests below wait together
         runs = [asyncio.ensure_future(backend.run(0, 5, x, f"p{i}", lora=lora))
                 for i, (x, lora) in enumerate(zip(inputs, loras, strict=True))]  # fmt: skip
@@ -123,8 +122,8 @@ def test_requests_with_lora_run_alone_and_get_their_own_results(span: SpanModel)
         await asyncio.sleep(0.05)
         release.set()
         await blocker
-        forwards = [outputs[0] for outputs, _ in await asyncio.gather(*runs)]
-        decoded = [outputs[0] for outputs, _ in await asyncio.gather(*steps)]
+        forwards = [reply.required("hidden") for reply, _ in await asyncio.gather(*runs)]
+        decoded = [reply.required("hidden") for reply, _ in await asyncio.gather(*steps)]
         return forwards, decoded
 
     forwards, decoded = asyncio.run(main())
@@ -251,7 +250,7 @@ def test_a_long_step_with_lora_weights_in_pieces_equals_one_run(span: SpanModel)
     lora = random_lora(span, 0, 5, seed=4)
     x = SpanTensors(torch.randn(2, 200, 64, generator=torch.Generator().manual_seed(5)))  # 400 tokens > 256
     assert backend.scheduler.limits.quantum_tokens < 400
-    (stepped,), _ = asyncio.run(backend.step(GrowingCache(), 0, 5, x, 1024, peer="s", lora=lora))
+    stepped = asyncio.run(backend.step(GrowingCache(), 0, 5, x, 1024, peer="s", lora=lora))[0].required("hidden")
     with torch.inference_mode():
         alone = span(x.hidden, lora=lora)
     assert torch.allclose(stepped, alone, atol=1e-5)
@@ -259,7 +258,8 @@ def test_a_long_step_with_lora_weights_in_pieces_equals_one_run(span: SpanModel)
     # with deep prompts too: each block gets its own prompt
     prompts = torch.randn(5, 3, 64, generator=torch.Generator().manual_seed(6))
     with_prompts = SpanTensors(x.hidden, prompts=prompts)
-    (stepped,), _ = asyncio.run(backend.step(GrowingCache(), 0, 5, with_prompts, 1024, peer="s", lora=lora))
+    reply, _ = asyncio.run(backend.step(GrowingCache(), 0, 5, with_prompts, 1024, peer="s", lora=lora))
+    stepped = reply.required("hidden")
     with torch.inference_mode():
         assert torch.allclose(stepped, span(x.hidden, prompts=prompts, lora=lora), atol=1e-5)
     backend.shutdown()

@@ -18,7 +18,7 @@ from swarmlm.protocol.messages import ServerInfo
 from swarmlm.server.load import DepthMeter, turns_ahead
 from swarmlm.server.scheduler import BatchLimits, Kind, Scheduler
 from swarmlm.swarm.records import ServerRecord, ServerState
-from tests.unit.test_scheduler import FakeClock, decode, task
+from tests.unit.test_scheduler import FakeClock, call, decode, task
 
 
 def test_decode_steps_share_a_turn_and_other_work_takes_one_each() -> None:
@@ -51,7 +51,8 @@ def test_the_scheduler_measures_the_work_waiting_behind_a_busy_thread() -> None:
         return release.wait(10)
 
     async def main() -> tuple[float, float]:
-        scheduler = Scheduler(ThreadPoolExecutor(1), lambda steps: [None] * len(steps), BatchLimits(), clock=clock)
+        run_decodes = lambda steps: [None] * len(steps)  # noqa: E731 - one line
+        scheduler = Scheduler(ThreadPoolExecutor(1), call, run_decodes, BatchLimits(), clock=clock)
         scheduler.depth = DepthMeter(time_constant_s=0.05)
         idle = scheduler.queue_depth()
         running = [asyncio.ensure_future(scheduler.submit(Kind.FORWARD, f"p{i}", blocking)) for i in range(4)]

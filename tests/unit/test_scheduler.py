@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import math
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -25,6 +26,22 @@ def task(kind: Kind, peer: str, seq: int, decode: DecodeStep | None = None) -> T
 
 def decode(start: int = 0, end: int = 5, rows: int = 1, cache: DynamicCache | None = None) -> DecodeStep:
     return DecodeStep(start, end, torch.zeros(rows, 1, 8), cache if cache is not None else DynamicCache())
+
+
+def call(run: Callable[[], object]) -> object:
+    """The executor of the schedulers below, whose items are plain functions (their scheduling is what is tested)."""
+    return run()
+
+
+async def hold(scheduler: Scheduler, release: threading.Event) -> None:
+    """A forward holding `scheduler`'s compute thread until `release` is set (a busy server): its item, which the
+    scheduler's own executor does not know, runs by a wrapper handing every other item on to that executor."""
+    execute, holding = scheduler.execute, object()
+    scheduler.execute = lambda item: release.wait(10) if item is holding else execute(item)
+    try:
+        await scheduler.submit(Kind.FORWARD, "busy", holding)
+    finally:
+        scheduler.execute = execute
 
 
 def seqs(batch: list[Task]) -> list[int]:
@@ -167,7 +184,7 @@ def test_decode_steps_batch_while_the_compute_thread_is_busy(stages: int, hold_s
 
     async def main() -> list[object]:
         limits = dataclasses.replace(LIMITS, stages=stages)
-        scheduler = Scheduler(ThreadPoolExecutor(1), run_decodes, limits, clock=clock)
+        scheduler = Scheduler(ThreadPoolExecutor(1), call, run_decodes, limits, clock=clock)
         first = asyncio.ensure_future(scheduler.submit(Kind.FORWARD, "x", blocking))
         await asyncio.to_thread(started.wait, 10)  # the forward holds the thread
         steps = [
@@ -209,7 +226,7 @@ def test_prompts_waiting_together_split_when_servers_come_after(later_stages: in
 
     async def main() -> list[object]:
         limits = BatchLimits(stages=1 + later_stages, later_stages=later_stages)
-        scheduler = Scheduler(ThreadPoolExecutor(1), run_decodes, limits, clock=FakeClock())
+        scheduler = Scheduler(ThreadPoolExecutor(1), call, run_decodes, limits, clock=FakeClock())
         first = asyncio.ensure_future(scheduler.submit(Kind.FORWARD, "x", blocking))
         await asyncio.to_thread(started.wait, 10)  # the forward holds the thread
         prompts = [
@@ -224,12 +241,41 @@ def test_prompts_waiting_together_split_when_servers_come_after(later_stages: in
     assert batches == joined
 
 
+def test_a_queued_task_holds_its_item_as_data_and_the_executor_runs_it() -> None:
+    """What a caller submits waits in the queue as it is (readable data, not a closure), and the scheduler's
+    executor gets that very item and answers with its result."""
+    release, started = threading.Event(), threading.Event()
+    ran: list[object] = []
+
+    def execute(item: object) -> str:
+        ran.append(item)
+        if item == "hold":
+            started.set()
+            release.wait(10)
+        return f"ran {item}"
+
+    item = ("blocks", 0, 5)
+
+    async def main() -> list[object]:
+        scheduler = Scheduler(ThreadPoolExecutor(1), execute, lambda steps: [], LIMITS)
+        first = asyncio.ensure_future(scheduler.submit(Kind.FORWARD, "x", "hold"))
+        await asyncio.to_thread(started.wait, 10)
+        second = asyncio.ensure_future(scheduler.submit(Kind.FORWARD, "y", item))
+        await asyncio.sleep(0)  # one turn of the loop: it waits behind the first
+        assert [t.work.item for t in scheduler.queue if t.work is not None] == [item]
+        release.set()
+        return [await first, await second]
+
+    assert asyncio.run(main()) == ["ran hold", "ran ('blocks', 0, 5)"]
+    assert ran == ["hold", item]
+
+
 def test_a_failure_reaches_its_callers_and_the_queue_goes_on() -> None:
     def boom() -> None:
         raise ValueError("bad")
 
     async def main() -> object:
-        scheduler = Scheduler(ThreadPoolExecutor(1), lambda steps: [], LIMITS)
+        scheduler = Scheduler(ThreadPoolExecutor(1), call, lambda steps: [], LIMITS)
         try:
             await scheduler.submit(Kind.FORWARD, "x", boom)
         except ValueError:
@@ -256,7 +302,7 @@ def test_inference_steps_run_between_the_blocks_of_a_long_request() -> None:
         return "forward done"
 
     async def main() -> list[object]:
-        scheduler = Scheduler(ThreadPoolExecutor(1), lambda steps: [], LIMITS)
+        scheduler = Scheduler(ThreadPoolExecutor(1), call, lambda steps: [], LIMITS)
         forward = asyncio.ensure_future(scheduler.submit(Kind.FORWARD, "trainer", long_forward))
         await asyncio.to_thread(started.wait, 10)
         step = asyncio.ensure_future(
@@ -282,7 +328,7 @@ def test_a_caller_that_gives_up_stops_its_long_request() -> None:
             started.set()
 
     async def main() -> None:
-        scheduler = Scheduler(ThreadPoolExecutor(1), lambda steps: [], LIMITS)
+        scheduler = Scheduler(ThreadPoolExecutor(1), call, lambda steps: [], LIMITS)
         forward = asyncio.ensure_future(scheduler.submit(Kind.FORWARD, "x", endless))
         await asyncio.to_thread(started.wait, 10)
         forward.cancel()
@@ -322,7 +368,7 @@ def test_the_executor_sends_each_quantum_its_size() -> None:
         return "done"
 
     async def main() -> None:
-        scheduler = Scheduler(ThreadPoolExecutor(1), lambda steps: [], BatchLimits(quantum_tokens=64))
+        scheduler = Scheduler(ThreadPoolExecutor(1), call, lambda steps: [], BatchLimits(quantum_tokens=64))
         assert await scheduler.submit(Kind.FORWARD, "trainer", long_forward) == "done"
         scheduler.state.track(decode(), scheduler.clock())  # a session decodes here
         assert await scheduler.submit(Kind.BACKWARD, "trainer", long_forward) == "done"

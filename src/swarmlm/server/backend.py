@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from collections.abc import Generator
@@ -41,6 +40,41 @@ class Keeping:
     key: str
 
 
+@dataclass(frozen=True)
+class SpanWork:
+    """A forward over blocks [start, end), or a backward when inputs carry grad_outputs: the work item the scheduler
+    holds for it (SpanBackend.execute runs it). adapter: the LoRA adapter to apply (None: the base model); lora: the
+    request's own LoRA weights; keeping: a forward's graph to keep, or the kept graph a backward may run from."""
+
+    start: int
+    end: int
+    inputs: SpanTensors
+    adapter: str | None = None
+    lora: LoraWeights | None = None
+    keeping: Keeping | None = None
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """An inference step of the session owning `cache` over blocks [start, end): the work item the scheduler holds
+    for it (SpanBackend.execute runs it). It runs in chunks of at most chunk_tokens; with start_from the cache is
+    first cut back to that many tokens; long: it runs in pieces of the scheduler's quanta (scheduling.Kind.PROMPT)."""
+
+    cache: DynamicCache
+    start: int
+    end: int
+    inputs: SpanTensors
+    chunk_tokens: int
+    start_from: int | None = None
+    adapter: str | None = None
+    lora: LoraWeights | None = None
+    long: bool = False
+
+
+# what a computation in pieces is sent before each piece (its size in tokens; 0 or None: its own) and returns
+Pieces = Generator[None, int | None, tuple[ReplyTensors, float]]
+
+
 class SpanBackend:
     """Runs requests on a span off the event loop, in the scheduler's order: one at a time, except one-token
     decode steps of several sessions, which may run as one forward."""
@@ -66,19 +100,20 @@ class SpanBackend:
         )
         # a single worker thread is the queue: weights are never used by two computations at once
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="span-compute")
+        limits = batch_limits or BatchLimits()
         self.scheduler = Scheduler(
-            self._executor, self._decode_batch, batch_limits or BatchLimits(), run_joined=self._run_joined
+            self._executor, self.execute, self._decode_batch, limits, run_joined=self._run_joined
         )
 
     async def run(
         self, start: int, end: int, inputs: SpanTensors, peer: str = "", adapter: str | None = None,
         lora: LoraWeights | None = None, keeping: Keeping | None = None, host: str = "",
-    ) -> tuple[list[torch.Tensor], float]:  # fmt: skip
-        """Forward: [hidden states after blocks [start, end)]; backward (inputs.grad_outputs given): [grad wrt
-        hidden states, (grad wrt prompts), (grad wrt lora)]. Tensors come back in the sender's dtypes, with the
-        compute time in ms. adapter: the LoRA adapter to apply (None: the base model); lora: the request's own LoRA
-        weights (validated: server.validation.check_lora); keeping: a forward's graph to keep, or the kept graph a
-        backward may run from."""
+    ) -> tuple[ReplyTensors, float]:  # fmt: skip
+        """Forward: the reply's hidden states after blocks [start, end); backward (inputs.grad_outputs given): its
+        grad_hidden, and grad_prompts / grad_lora when the request sent prompts / LoRA weights. Tensors come back in
+        the sender's dtypes, with the compute time in ms. adapter: the LoRA adapter to apply (None: the base
+        model); lora: the request's own LoRA weights (validated: server.validation.check_lora); keeping: a forward's
+        graph to keep, or the kept graph a backward may run from."""
         kind = Kind.FORWARD if inputs.grad_outputs is None else Kind.BACKWARD
         # a block at a time: the scheduler runs waiting inference steps between blocks of a long request
         # requests of other peers over the same blocks and of the same shape may run joined with this one
@@ -89,11 +124,23 @@ class SpanBackend:
         from_graph = keeping is not None and kind is Kind.BACKWARD
         alone = inputs.hypo_ids is not None or adapter is not None or lora is not None or from_graph
         joinable = None if alone else JoinableRequest(start, end, inputs, peer)
-        result: tuple[list[torch.Tensor], float] = await self.scheduler.submit(
-            kind, peer, functools.partial(self._run_by_block, start, end, inputs, adapter, lora, keeping),
-            join=joinable, host=host,
-        )  # fmt: skip
+        work = SpanWork(start, end, inputs, adapter, lora, keeping)
+        result: tuple[ReplyTensors, float] = await self.scheduler.submit(kind, peer, work, join=joinable, host=host)
         return result
+
+    def execute(self, work: SpanWork | StepWork) -> Pieces:
+        """Run a work item on the compute thread, in the pieces the scheduler sends sizes for (a short step is one
+        piece): its reply, named, and the compute time in ms."""
+        if isinstance(work, SpanWork):
+            results, compute_ms = yield from self._run_by_block(
+                work.start, work.end, work.inputs, work.adapter, work.lora, work.keeping
+            )
+            return _named(work.inputs, results), compute_ms
+        (hidden,), compute_ms = yield from self._step(
+            work.cache, work.start, work.end, work.inputs, work.chunk_tokens, work.start_from, work.adapter, work.lora,
+            work.long,
+        )  # fmt: skip
+        return ReplyTensors(hidden=hidden), compute_ms
 
     async def expire_kept(self) -> int:
         """Free the kept graphs whose backward did not come in time (on the compute thread, which alone changes the
@@ -103,16 +150,17 @@ class SpanBackend:
 
     def _run_joined(
         self, requests: list[JoinableRequest]
-    ) -> Generator[None, int | None, list[tuple[list[torch.Tensor], float]]]:
+    ) -> Generator[None, int | None, list[tuple[ReplyTensors, float]]]:
         """Requests joined along the batch dimension as one computation, a block at a time; each gets its own
-        results (and the shared compute time)."""
+        reply (and the shared compute time)."""
         start, end = requests[0].start, requests[0].end
         results, compute_ms = yield from self._run_by_block(start, end, join(requests), None)
         kind = "backward" if requests[0].inputs.grad_outputs is not None else "forward"
         peers, tokens = len({r.peer for r in requests}), sum(r.tokens for r in requests)
         logger.debug("%s batch requests=%d peers=%d blocks=%d:%d tokens=%d %.1f ms", kind, len(requests), peers,
                     start, end, tokens, compute_ms)  # fmt: skip
-        return [(outputs, compute_ms) for outputs in split(results, requests)]
+        replies = [_named(r.inputs, outputs) for r, outputs in zip(requests, split(results, requests), strict=True)]
+        return [(reply, compute_ms) for reply in replies]
 
     def _run(self, start: int, end: int, inputs: SpanTensors) -> tuple[list[torch.Tensor], float]:
         """_run_by_block in one go, without adapter."""
@@ -201,8 +249,9 @@ class SpanBackend:
         adapter: str | None = None,
         lora: LoraWeights | None = None,
         host: str = "",
-    ) -> tuple[list[torch.Tensor], float]:
-        """One inference step of a session owning `cache`: [hidden states of the new tokens], compute time in ms.
+    ) -> tuple[ReplyTensors, float]:
+        """One inference step of a session owning `cache`: the reply's hidden states of the new tokens, and the
+        compute time in ms.
 
         With start_from, the cache is first cut back to that many tokens (validated: not more than it holds). A step
         with the session's own LoRA weights runs alone (never batched with other sessions' steps); a fresh session's
@@ -211,7 +260,7 @@ class SpanBackend:
         short steps, which it never holds up by more than one quantum."""
         quantum = self.scheduler.limits.quantum_tokens
         long = quantum > 0 and inputs.hidden.shape[0] * inputs.hidden.shape[1] > quantum
-        run = functools.partial(self._step, cache, start, end, inputs, chunk_tokens, start_from, adapter, lora, long)
+        work = StepWork(cache, start, end, inputs, chunk_tokens, start_from, adapter, lora, long)
         decode = None
         if lora is None and _plain_decode(cache, start, inputs, start_from):
             decode = DecodeStep(start, end, inputs.hidden, cache, adapter, inputs.attention_mask, inputs.position_ids)
@@ -220,7 +269,7 @@ class SpanBackend:
         ):
             decode = DecodeStep(start, end, inputs.hidden, cache, adapter, budget=chunk_tokens)
         kind = Kind.PROMPT if long else Kind.INFERENCE
-        result: tuple[list[torch.Tensor], float] = await self.scheduler.submit(kind, peer, run, decode, host=host)
+        result: tuple[ReplyTensors, float] = await self.scheduler.submit(kind, peer, work, decode, host=host)
         return result
 
     def _prompt_limit(self, start: int, end: int, chunk_tokens: int) -> int:
@@ -235,7 +284,7 @@ class SpanBackend:
         """The session owning `cache` is over: no decode batch waits for its steps any more."""
         self.scheduler.forget(cache)
 
-    def _decode_batch(self, steps: list[DecodeStep]) -> list[tuple[list[torch.Tensor], float]]:
+    def _decode_batch(self, steps: list[DecodeStep]) -> list[tuple[ReplyTensors, float]]:
         """One-token steps of several sessions over the same blocks, as one forward (on the compute thread); or the
         prompts of several fresh sessions (the scheduler never mixes the two)."""
         began = time.perf_counter()
@@ -254,10 +303,10 @@ class SpanBackend:
         if steps[0].prompt:
             logger.debug("inference prompts sessions=%d blocks=%d:%d tokens=%d %.1f ms", len(steps), start, end,
                         sum(step.tokens for step in steps), compute_ms)  # fmt: skip
-            return [([result], compute_ms) for result in results]
+            return [(ReplyTensors(hidden=result), compute_ms) for result in results]
         logger.debug("inference batch sessions=%d blocks=%d:%d rows=%d %.1f ms", len(steps), start, end,
                     sum(step.rows for step in steps), compute_ms)  # fmt: skip
-        return [([result], compute_ms) for result in results]
+        return [(ReplyTensors(hidden=result), compute_ms) for result in results]
 
     def _step(
         self,
@@ -350,9 +399,9 @@ def whole(pieces: Generator[None, int | None, R]) -> R:
             return result
 
 
-def named_results(inputs: SpanTensors, results: list[torch.Tensor]) -> ReplyTensors:
-    """The reply bundle of a forward, backward or inference step from its results as run() and step() return them:
-    [hidden] for a forward or a step, [grad wrt hidden, (grad wrt prompts), (grad wrt lora)] for a backward."""
+def _named(inputs: SpanTensors, results: list[torch.Tensor]) -> ReplyTensors:
+    """The reply of a forward or backward of `inputs` from its results as _run_by_block returns them: [hidden] for
+    a forward, [grad wrt hidden, (grad wrt prompts), (grad wrt lora)] for a backward."""
     if inputs.grad_outputs is None:
         (hidden,) = results
         return ReplyTensors(hidden=hidden)

@@ -23,7 +23,7 @@ from swarmlm.protocol.messages import (
     ReplyHeader,
     ServerInfo,
 )
-from swarmlm.server.backend import Keeping, SpanBackend, named_results
+from swarmlm.server.backend import Keeping, SpanBackend
 from swarmlm.server.inference import InferenceSessions
 from swarmlm.server.peers import refusal, short, where
 from swarmlm.server.validation import check_lora, check_span_request, max_message_bytes
@@ -114,13 +114,12 @@ class SpanHandler:
             keeping = None if key is None else Keeping(peer_id, self.inference.ledger.host(peer_id), key)
             self.in_flight += 1
             try:
-                outputs, compute_ms = await self.backend.run(
+                bundle, compute_ms = await self.backend.run(
                     header.start_block, header.end_block, inputs, peer, header.adapter, lora, keeping,
                     host=self.inference.ledger.host(peer_id),
                 )  # fmt: skip
             finally:
                 self.in_flight -= 1
-            bundle = named_results(inputs, outputs)
             # answered as it was sent (int8 or not)
             reply = ReplyHeader(ok=True, tensors=bundle.names(), compute_ms=compute_ms, int8=header.int8)
             outputs = bundle.tensors()

@@ -22,7 +22,7 @@ from swarmlm.protocol.codec import drain, encode, read_message
 from swarmlm.protocol.lora import LoraWeights
 from swarmlm.protocol.messages import InferenceOpen, InferenceStep, PushHop, PushStep, ReplyHeader
 from swarmlm.server.admission import SessionLengths, admit_now
-from swarmlm.server.backend import SpanBackend, named_results
+from swarmlm.server.backend import SpanBackend
 from swarmlm.server.cache import CacheBudget, ServerBusyError
 from swarmlm.server.peers import Holding, LimitError, PeerLedger, refusal, short, where
 from swarmlm.server.validation import check_lora, check_open, check_step, max_message_bytes
@@ -303,7 +303,7 @@ class InferenceSessions:
                 continue  # the cache is untouched: the session goes on
             before = _lengths(cache, session)
             try:
-                outputs, compute_ms = await self.backend.step(
+                bundle, compute_ms = await self.backend.step(
                     cache,
                     session.start_block,
                     session.end_block,
@@ -327,7 +327,6 @@ class InferenceSessions:
                 if not intact:
                     return
                 continue
-            bundle = named_results(inputs, outputs)
             push_error = await self._push_on(header, inputs, bundle, pushed_to) if header.next_hops else None
             self.steps_served += 1
             self.step_tokens += inputs.hidden.shape[0] * inputs.hidden.shape[1]

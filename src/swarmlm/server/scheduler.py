@@ -44,13 +44,21 @@ logger = logging.getLogger(__name__)
 class Work:
     """What the executor needs to run a task and answer its caller (the decisions never read it)."""
 
-    run: Callable[[], Any]  # runs this request alone, on the compute thread; may return a generator (see below)
+    # what to run, as data (server/backend.py: a SpanWork or a StepWork; of a joined task: its requests), so that a
+    # request can be read from the wire to the backend and back
+    item: Any
+    # runs an item alone, on the compute thread: its reply, or a generator of quanta returning it (see below)
+    execute: Callable[[Any], Any] = field(repr=False)
     future: asyncio.Future[Any] | None = field(default=None, repr=False)
     # a long request runs as a generator of quanta (server.pieces): it yields before each one and is sent its size in
     # tokens (0: a whole block); it goes back into the queue after each quantum, so more urgent work (inference
     # steps) and other peers' turns run in between; its return is the result
     quanta: Generator[None, int | None, Any] | None = field(default=None, repr=False)
     members: list[Task] | None = field(default=None, repr=False)  # of a joined task: the requests it runs
+
+    def run(self) -> Any:
+        """Run the item alone, on the compute thread."""
+        return self.execute(self.item)
 
 
 # what _advance returns when a long task has run one quantum and has more to run
@@ -90,16 +98,18 @@ def _fail(batch: list[Task], error: BaseException) -> None:
 
 class Scheduler:
     """Queues requests from the handlers (on the event loop) and runs them on `executor` (one thread), one batch at a
-    time, as `schedule` decides: a lone task by its own `run`, several decode steps (or prompts) by `run_decodes` (a
+    time, as `schedule` decides: a lone task's item by `execute`, several decode steps (or prompts) by `run_decodes` (a
     result per step, in order). `clock` is the time every timing rule reads (injected for tests)."""
 
     def __init__(
-        self, executor: Executor, run_decodes: Callable[[list[DecodeStep]], list[Any]], limits: BatchLimits,
-        run_joined: Callable[[list[JoinableRequest]], Any] | None = None, clock: Callable[[], float] = time.monotonic,
+        self, executor: Executor, execute: Callable[[Any], Any], run_decodes: Callable[[list[DecodeStep]], list[Any]],
+        limits: BatchLimits, run_joined: Callable[[list[JoinableRequest]], Any] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):  # fmt: skip
-        """run_joined runs joinable requests as one (like a lone task's run: a result per request, or a generator
-        returning them); without it, requests are never joined."""
-        self.executor, self.run_decodes, self.limits = executor, run_decodes, limits
+        """execute runs a submitted item alone (its result, or a generator of quanta returning it); run_joined runs
+        joinable requests as one (a result per request, or a generator returning them); without it, requests are
+        never joined."""
+        self.executor, self.execute, self.run_decodes, self.limits = executor, execute, run_decodes, limits
         self.run_joined, self.clock = run_joined, clock
         self.queue: list[Task] = []
         self.state = SchedulerState()
@@ -135,16 +145,17 @@ class Scheduler:
         self.depth.set(turns_ahead(self.queue, self.limits.max_sessions), self.clock())
 
     async def submit(
-        self, kind: Kind, peer: str, run: Callable[[], Any], decode: DecodeStep | None = None,
-        join: JoinableRequest | None = None, host: str = "",
+        self, kind: Kind, peer: str, item: Any, decode: DecodeStep | None = None, join: JoinableRequest | None = None,
+        host: str = "",
     ) -> Any:  # fmt: skip
-        """Queue a request of `peer` (of `host`: turns go round hosts first) and wait for its result (or its
-        exception)."""
+        """Queue a request of `peer` (of `host`: turns go round hosts first), `item` (what `execute` runs), and wait
+        for its result (or its exception)."""
         loop = asyncio.get_running_loop()
         self._arrivals += 1
         future: asyncio.Future[Any] = loop.create_future()
         join = join if self.run_joined else None
-        task = Task(kind, peer, self._arrivals, decode, join, arrived=self.clock(), work=Work(run, future), host=host)
+        work = Work(item, self.execute, future)
+        task = Task(kind, peer, self._arrivals, decode, join, arrived=self.clock(), work=work, host=host)
         if decode is not None and not decode.prompt:  # a session's rhythm is that of its decode steps
             self.state.track(decode, task.arrived)
         self.queue.append(task)
@@ -221,12 +232,10 @@ class Scheduler:
         """One task running the joined requests of `batch`; its result (a list, one per request) goes to theirs."""
         if self.run_joined is None:
             raise RuntimeError("requests are joined only with run_joined")
-        run_joined, joins = self.run_joined, [task.join for task in batch if task.join is not None]
-        head = batch[0]
+        joins, head = [task.join for task in batch if task.join is not None], batch[0]
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        merged = Task(
-            head.kind, head.peer, head.seq, work=Work(lambda: run_joined(joins), future, members=batch), host=head.host
-        )
+        joined = Work(joins, self.run_joined, future, members=batch)
+        merged = Task(head.kind, head.peer, head.seq, work=joined, host=head.host)
 
         def hand_out(done: asyncio.Future[Any]) -> None:
             for index, task in enumerate(batch):
