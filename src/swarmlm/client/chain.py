@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
 from dataclasses import dataclass, replace
 
 import torch
@@ -74,6 +75,9 @@ class RetryBudget:
         self.avoid: set[str] = set()  # servers this request does not go to again
         self._refused_by: set[str] = set()  # servers that called this request bad
         self._stale_view = False  # a server refused what it was announced to hold: re-read the swarm first
+        # the first busy answer of this request: busy_wait_s counts from it over all the routes tried since (counted
+        # per route, each cool-down would start the wait again and a full swarm would answer after max_retries)
+        self.busy_since: float | None = None
 
     async def route(self, start: int, end: int, tokens: int, session_tokens: int | None = None) -> list[RouteSpan]:
         """A route over [start, end) for `tokens` tokens, without the servers this request avoids (and for opening
@@ -85,7 +89,8 @@ class RetryBudget:
                 if self._stale_view:
                     self._stale_view = False
                     await self.manager.refresh()
-                return await self.manager.make_route(start, end, tokens, self.avoid, session_tokens, self.spread)
+                return await self.manager.make_route(start, end, tokens, self.avoid, session_tokens, self.spread,
+                                                     busy_since=self.busy_since)  # fmt: skip
         except TimeoutError as e:
             raise RemoteCallError(f"finding a route over blocks {start}:{end} timed out") from e
 
@@ -112,11 +117,14 @@ class RetryBudget:
                 raise error
         elif isinstance(error, RerouteError):
             self.manager.cool_down(peer, error, error.retry_after_s)
+            if error.kind == "busy" and self.busy_since is None:
+                self.busy_since = time.monotonic()
         else:
             self.manager.ban(peer, error)
         if self.failures > self.manager.config.max_retries:
             if isinstance(error, RerouteError) and error.kind == "busy":  # the swarm is full: say so, and when
-                raise SwarmBusyError(span.start, span.end, 0.0, self.manager.health.cooling_left_s()) from error
+                waited_s = time.monotonic() - (self.busy_since or time.monotonic())
+                raise SwarmBusyError(span.start, span.end, waited_s, self.manager.health.cooling_left_s()) from error
             raise RemoteCallError(f"giving up after {self.failures} failed calls; last: {error}") from error
         logger.info("Re-routing blocks %d:%d after failure %d: %s", span.start, span.end, self.failures, error)
 

@@ -72,7 +72,7 @@ class SequenceManager:
                 config.allowed_servers,
                 config.blocked_servers,
                 adapter=config.active_adapter,
-            )  # fmt: skip
+            )
         )
         self.health = Health(config.ban_base_s, config.ban_max_s)
         self.verifier = Verifier(config.verify_probability, config.verify_first_requests)
@@ -184,6 +184,7 @@ class SequenceManager:
         avoid: Collection[str] = (),
         session_tokens: int | None = None,
         spread: bool = True,
+        busy_since: float | None = None,
     ) -> list[RouteSpan]:
         """A route over blocks [start, end) for `tokens` tokens, without the servers in `avoid`; waits for missing
         blocks up to the configured timeout. session_tokens (batch x max_length): the route opens inference
@@ -193,7 +194,8 @@ class SequenceManager:
         swarm/route_choice.py's choose_route, the function the simulator runs too.
 
         When a route exists only through servers that answered busy, the swarm is full: the route is waited for up
-        to busy_wait_s, then SwarmBusyError tells the caller when to come back."""
+        to busy_wait_s (counted from busy_since, the request's first busy answer, when given), then SwarmBusyError
+        tells the caller when to come back."""
         began = time.monotonic()
         policy = self.batch_policy if session_tokens is None else self.session_policy
         request = RouteRequest(start, end, tokens, policy, session_tokens, spread)
@@ -209,7 +211,7 @@ class SequenceManager:
             if lacking is not None:  # servers answer for those blocks, none with the adapter: no wait would help
                 raise lacking
             waited = time.monotonic() - began
-            self._give_up_if_full(views, request, known, waited)
+            self._give_up_if_full(views, request, known, time.monotonic() - min(began, busy_since or began))
             # a spot check never waits for servers; blocks that only busy servers hold are the swarm being full, not
             # missing: busy_wait_s applies to them (_give_up_if_full)
             timed_out = waited >= self.config.missing_blocks_timeout_s and not self._only_busy(views, request, known)
@@ -227,8 +229,9 @@ class SequenceManager:
         recent = time.monotonic() - config.sticky_route_s
         interval = config.explore_interval_s
         explore = spread and interval > 0 and time.monotonic() - self._explored_at >= interval
-        unmeasured = frozenset(v.peer_id for v in views
-                               if not health.has_measured(v.peer_id) and health.answered(v.peer_id))  # fmt: skip
+        unmeasured = frozenset(
+            v.peer_id for v in views if not health.has_measured(v.peer_id) and health.answered(v.peer_id)
+        )
         return Knowledge(
             banned=banned, busy=busy, prefer=frozenset(p for p, when in self._last_used.items() if when > recent),
             unmeasured=unmeasured if explore else frozenset(), explore=explore,
@@ -266,8 +269,9 @@ class SequenceManager:
         unknown = [peer for peer, r in self.servers.items()
                    if r.start < end and r.end > start and not self.health.knows_latency(peer)]  # fmt: skip
         if unknown:
-            await measure_all(unknown, self.ensure_connected, self.p2p, timeout_s, self.health.record_ping,
-                              self._unanswered_ping)  # fmt: skip
+            await measure_all(
+                unknown, self.ensure_connected, self.p2p, timeout_s, self.health.record_ping, self._unanswered_ping
+            )
 
     def _unanswered_ping(self, peer_id: str) -> None:
         duration = self.health.record_unanswered_ping(peer_id, self.config.ping_timeout_s)

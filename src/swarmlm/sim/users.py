@@ -43,14 +43,14 @@ class ChatSession(Session):
         if not self.check("step"):
             return
         tokens = min(self.step_tokens, self.remaining)
+        for hop in self.hops:  # first: this session's step is part of the batch it is costed at
+            hop.server.generating += 1
         per_token = self.world.scenario.client_token_s + sum(
             hop_rtt_s(self.world.scenario, self.client, hop)
             + TOKEN_BYTES / hop.server.net_bps
             + hop.server.step_s(hop.end - hop.start)
             for hop in self.hops
         )
-        for hop in self.hops:
-            hop.server.generating += 1
         self.engine.after(tokens * per_token, self._stepped, tokens, per_token)
 
     def _stepped(self, tokens: int, per_token: float) -> None:
