@@ -7,8 +7,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 
 from swarmlm.utils.processes import spawn_bound
 
@@ -22,6 +23,17 @@ def http_process(args: list[str], ready_line: str, output: list[str] | None = No
     """Run `swarmlm ARGS` until its ready line and yield the base URL it prints; its output is echoed on failure
     (and its lines added to `output` as they come, if given)."""
     with http_server(args, ready_line, stopped_by_test=False, output=output) as (url, _):
+        yield url
+
+
+@contextmanager
+def api_process(model_dir: Path, initial_peers: Sequence[str], name: str, *extra: str) -> Iterator[str]:
+    """A `swarmlm api` of the model in `model_dir` serving it as `name` through the swarm at `initial_peers` (with
+    `extra` flags) on a free port; yields its base URL."""
+    from swarmlm.api.service import READY_LINE
+
+    args = ["api", str(model_dir), "--served-model-name", name, "--port", "0", *extra]
+    with http_process([*args, "--initial-peers", *initial_peers], READY_LINE) as url:
         yield url
 
 

@@ -29,7 +29,7 @@ from swarmlm.cli.main import API_KEY_ENV
 from swarmlm.models.loading import load_tokenizer
 from swarmlm.tools.local_swarm import LocalSwarm
 from tests.conftest import connected_model, load_reference, one_thread, running_swarm
-from tests.integration.http_process import http_process, http_server
+from tests.integration.http_process import api_process, http_process, http_server
 
 NAME = "smollm2-135m-instruct"
 QUESTIONS = [
@@ -79,9 +79,7 @@ def swarm(smollm_dir: Path) -> Iterator[LocalSwarm]:
 
 @pytest.fixture(scope="module")
 def api_url(smollm_dir: Path, swarm: LocalSwarm) -> Iterator[str]:
-    args = ["api", str(smollm_dir), "--served-model-name", NAME, "--port", "0"]
-    args += ["--initial-peers", *swarm.initial_peers]
-    with http_process(args, READY_LINE) as url:
+    with api_process(smollm_dir, swarm.initial_peers, NAME) as url:
         yield url
 
 
@@ -109,13 +107,18 @@ def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
     assert [model.id for model in client.models.list()] == [NAME]
 
 
+def chat_ids(tokenizer: Any, question: str) -> list[int]:
+    """The token ids of a one-question conversation, ready for the assistant's answer."""
+    conversation = [{"role": "user", "content": question}]
+    return list(tokenizer.apply_chat_template(conversation, add_generation_prompt=True, return_dict=True)["input_ids"])
+
+
 def test_chat_completion_equals_local_greedy(client: openai.OpenAI, local_answer: Any, tokenizer: Any) -> None:
     reply = ask(client, QUESTIONS[0])
     text, reason, tokens = local_answer(QUESTIONS[0])
     assert reply.choices[0].message.content == text and reply.choices[0].finish_reason == reason
     assert reply.choices[0].message.role == "assistant" and reply.object == "chat.completion"
-    conversation = [{"role": "user", "content": QUESTIONS[0]}]
-    prompt = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, return_dict=True)["input_ids"]
+    prompt = chat_ids(tokenizer, QUESTIONS[0])
     assert reply.usage.prompt_tokens == len(prompt) and reply.usage.completion_tokens == tokens
     assert reply.usage.total_tokens == len(prompt) + tokens
 
@@ -365,9 +368,7 @@ def test_chat_logprobs_equal_the_local_models_streamed_or_not(
     client: openai.OpenAI, reference: torch.nn.Module, tokenizer: Any
 ) -> None:
     question = QUESTIONS[0]
-    prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": question}], add_generation_prompt=True, return_dict=True
-    )["input_ids"]
+    prompt = chat_ids(tokenizer, question)
     tokens, local = local_logprobs(reference, list(prompt), NEW_TOKENS)
     assert tokens[-1] == tokenizer.eos_token_id  # the answer ends within NEW_TOKENS: its end has an entry too
     reply = ask(client, question, logprobs=True, top_logprobs=5)
@@ -502,8 +503,7 @@ def test_a_generation_outgrowing_its_first_reservation_equals_local(
     replayed into a larger one) as the answer grows: every token equals local greedy decoding, for one choice and
     for two."""
     tokenizer = load_tokenizer(smollm_dir)
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Tell me a long story about a dragon."}],
-                                        add_generation_prompt=True, return_dict=True)["input_ids"]  # fmt: skip
+    ids = chat_ids(tokenizer, "Tell me a long story about a dragon.")
     with torch.inference_mode():
         local = reference.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False)[0, len(ids) :].tolist()
     expected = tokenizer.decode(local, skip_special_tokens=True)
@@ -719,9 +719,7 @@ def test_an_answer_that_ends_at_once_keeps_its_logprobs_entry(
     client: openai.OpenAI, reference: torch.nn.Module, tokenizer: Any
 ) -> None:
     question = QUESTIONS[0]
-    prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": question}], add_generation_prompt=True, return_dict=True
-    )["input_ids"]
+    prompt = chat_ids(tokenizer, question)
     with torch.inference_mode():
         local = torch.log_softmax(reference(torch.tensor([prompt])).logits[0, -1].float(), dim=-1)
     eos = tokenizer.eos_token_id

@@ -18,10 +18,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from swarmlm.api.service import READY_LINE
 from swarmlm.tools.local_swarm import LocalSwarm
 from tests.conftest import load_reference, one_thread, running_swarm
-from tests.integration.http_process import http_process
+from tests.integration.http_process import api_process
 
 NAME = "smollm2-135m-instruct"
 # the server's cache: room for 2048 tokens (batch x length) of sessions, of which one peer (the API) may hold half
@@ -46,8 +45,7 @@ def swarm(smollm_dir: Path) -> Iterator[LocalSwarm]:
 
 @pytest.fixture(scope="module")
 def api_url(smollm_dir: Path, swarm: LocalSwarm) -> Iterator[str]:
-    args = ["api", str(smollm_dir), "--served-model-name", NAME, "--port", "0"]
-    with http_process([*args, "--initial-peers", *swarm.initial_peers], READY_LINE) as url:
+    with api_process(smollm_dir, swarm.initial_peers, NAME) as url:
         yield url
 
 

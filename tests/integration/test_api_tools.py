@@ -15,10 +15,9 @@ from langchain_core.messages import AIMessage
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, ConfigDict, Field
 
-from swarmlm.api.service import READY_LINE
 from swarmlm.tools.local_swarm import LocalSwarm
 from tests.conftest import running_swarm
-from tests.integration.http_process import http_process
+from tests.integration.http_process import api_process
 
 NAME = "smollm2-135m-instruct"
 
@@ -49,8 +48,7 @@ def swarm(smollm_dir: Path) -> Iterator[LocalSwarm]:
 
 @pytest.fixture(scope="module")
 def api_url(smollm_dir: Path, swarm: LocalSwarm) -> Iterator[str]:
-    args = ["api", str(smollm_dir), "--served-model-name", NAME, "--port", "0"]
-    with http_process([*args, "--initial-peers", *swarm.initial_peers], READY_LINE) as url:
+    with api_process(smollm_dir, swarm.initial_peers, NAME) as url:
         yield url
 
 

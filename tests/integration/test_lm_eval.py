@@ -14,10 +14,9 @@ from typing import Any
 
 import pytest
 
-from swarmlm.api.service import READY_LINE
 from swarmlm.tools.local_swarm import LocalSwarm
 from tests.conftest import one_thread, running_swarm
-from tests.integration.http_process import http_process
+from tests.integration.http_process import api_process
 
 NAME = "smollm2-135m-instruct"
 TASKS = Path(__file__).resolve().parents[1] / "data" / "lm_eval"
@@ -34,9 +33,7 @@ def swarm(smollm_dir: Path) -> Iterator[LocalSwarm]:
 
 @pytest.fixture(scope="module")
 def api_url(smollm_dir: Path, swarm: LocalSwarm) -> Iterator[str]:
-    args = ["api", str(smollm_dir), "--served-model-name", NAME, "--port", "0"]
-    args += ["--initial-peers", *swarm.initial_peers]
-    with http_process(args, READY_LINE) as url:
+    with api_process(smollm_dir, swarm.initial_peers, NAME) as url:
         yield url
 
 
