@@ -210,12 +210,16 @@ class SequenceManager:
             lacking = self.view.missing_adapter(start, end)
             if lacking is not None:  # servers answer for those blocks, none with the adapter: no wait would help
                 raise lacking
-            waited = time.monotonic() - began
-            self._give_up_if_full(views, request, known, time.monotonic() - min(began, busy_since or began))
-            # a spot check never waits for servers; blocks that only busy servers hold are the swarm being full, not
-            # missing: busy_wait_s applies to them (_give_up_if_full)
-            timed_out = waited >= self.config.missing_blocks_timeout_s and not self._only_busy(views, request, known)
-            if timed_out or not spread:
+            now = time.monotonic()
+            waited = now - began
+            # blocks that only busy servers hold are the swarm being full, not missing: busy_wait_s applies to them,
+            # counted from the request's first busy answer
+            full = self._only_busy(views, request, known)
+            busy_waited = now - min(began, busy_since or began)
+            if full and busy_waited >= self.config.busy_wait_s:
+                raise SwarmBusyError(start, end, busy_waited, self.health.cooling_left_s())
+            timed_out = waited >= self.config.missing_blocks_timeout_s and not full
+            if timed_out or not spread:  # a spot check never waits for servers
                 missing = missing_blocks(views, start, end, banned=known.banned)
                 raise MissingBlocksError(missing or list(range(start, end)), waited)
             await asyncio.sleep(MISSING_BLOCKS_POLL_S)
@@ -245,15 +249,6 @@ class SequenceManager:
             self._explored_at = now
             logger.info("Trying server ...%s (never measured) for blocks %d:%d", choice.explored[-6:], start, end)
         self._last_used.update((span.peer_id, now) for span in choice.route)
-
-    def _give_up_if_full(
-        self, views: list[ServerView], request: RouteRequest, known: Knowledge, waited: float
-    ) -> None:
-        """Raise SwarmBusyError once busy_wait_s passed while only servers that answered busy could serve."""
-        if waited < self.config.busy_wait_s or not self._only_busy(views, request, known):
-            return  # (blocks missing whoever has room: MissingBlocksError's wait applies)
-        retry_s = self.health.cooling_left_s()
-        raise SwarmBusyError(request.start, request.end, waited, retry_s)
 
     @staticmethod
     def _only_busy(views: list[ServerView], request: RouteRequest, known: Knowledge) -> bool:
