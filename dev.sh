@@ -83,7 +83,7 @@ case "${1:-}" in
           # swarm starts once
           cores=$(nproc 2>/dev/null || echo 2)
           workers="${SWARMLM_TEST_WORKERS:-$(( cores + 1 < 4 ? cores + 1 : 4 ))}"
-          parallel=(-n "$workers" --dist loadfile)
+          parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder)
           if [ "${1:-}" = "--quick" ]; then
               # before every commit: lint, the unit tests and one shared real swarm (tests/integration/test_smoke.py)
               shift

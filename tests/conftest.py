@@ -22,6 +22,28 @@ from swarmlm.tools.local_swarm import LocalSwarm
 os.environ.setdefault(prefork.ENV_SWITCH, "1")
 # servers log each request and step (`serve --log-requests`): tests read from the logs which server served what
 os.environ.setdefault("SWARMLM_LOG_REQUESTS", "1")
+# one compute thread in each test process and in the processes the tests start (API, demo, CLI): the suite runs on
+# more workers than cores, and torch's second thread mostly waits on the first there (a 20-token local greedy decode
+# of SmolLM2 costs 1.44 s of CPU on two threads, 1.16 s on one, and far more on a loaded machine)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
+
+# The longest modules, longest first (module wall time under `-n 3 --dist loadfile`, bench/test_times.py): the
+# workers take whole modules in collection order (dev.sh passes --no-loadscope-reorder, since xdist's own order, by
+# test count, left the long one-test modules to the end, where one worker ran them while the others sat idle)
+LONGEST_FIRST = (
+    "test_api.py", "test_docs.py", "test_generation.py", "test_public_swarm.py", "test_hub.py",
+    "test_combinations.py", "test_inflight_failover.py", "test_restarts.py", "test_chaos.py", "test_families.py",
+    "test_lm_eval.py", "test_soak.py", "test_loading.py", "test_simulate.py", "test_demo_chat.py",
+    "test_network_swarm.py", "test_speculative.py", "test_fair_hosts.py", "test_forward_smollm.py", "test_training.py",
+)  # fmt: skip
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Modules in LONGEST_FIRST run first, in that order; the others keep their order (the sort is stable)."""
+    rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
 
 # fp32 logits through the swarm must match a local run this closely
 LOGITS_ATOL = 1e-4
@@ -101,11 +123,15 @@ NOT_OURS = ("torch_shm_manager", "multiprocessing.resource_tracker")
 
 
 def descendants() -> list[psutil.Process]:
-    """Live processes started (directly or not) by this test process, except torch's own helpers."""
+    """Live processes started (directly or not) by this test process, except torch's own helpers and the server
+    forkers."""
     alive = []
+    forkers = prefork.forker_pids()  # they serve the whole run (closed at its end): not a test's leftovers
     for process in psutil.Process(os.getpid()).children(recursive=True):
         try:
             command = " ".join(process.cmdline())
+            if process.pid in forkers:
+                continue
             if process.status() != psutil.STATUS_ZOMBIE and not any(name in command for name in NOT_OURS):
                 alive.append(process)
         except (psutil.NoSuchProcess, psutil.ZombieProcess):

@@ -240,6 +240,13 @@ def launch(args: Sequence[str], env: Mapping[str, str], cwd: str | None = None, 
     return forker.launch(args, env, cwd, process_group)
 
 
+def forker_pids() -> set[int]:
+    """The live forkers of this process: helpers that live as long as it does by design (not the servers they fork),
+    for checks that everything a piece of work started has ended."""
+    with _forkers_lock:
+        return {forker.process.pid for forker in _forkers.values() if forker.process.poll() is None}
+
+
 def close_all(timeout_s: float = 10.0) -> None:
     """Stop every forker of this process (their children, if any are left, die with them)."""
     with _forkers_lock:

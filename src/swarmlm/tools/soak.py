@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM
 
 from swarmlm import AutoDistributedModelForCausalLM
 from swarmlm.models.loading import load_config
+from swarmlm.tools import prefork
 from swarmlm.tools.local_swarm import SERVING_LINE, LocalServer, LocalSwarm
 
 logger = logging.getLogger(__name__)
@@ -276,11 +277,13 @@ SHARED_HELPERS = ("torch_shm_manager", "multiprocessing.resource_tracker")
 
 
 def started_since(before: set[int]) -> list[psutil.Process]:
-    """Live descendants of this process not in `before`, except SHARED_HELPERS."""
+    """Live descendants of this process not in `before`, except SHARED_HELPERS and the server forkers (a forker
+    started for the soak's servers serves the rest of the process's life, tools/prefork.py)."""
     alive = []
+    skip = before | prefork.forker_pids()
     for process in psutil.Process().children(recursive=True):
         try:
-            if process.pid in before or process.status() == psutil.STATUS_ZOMBIE:
+            if process.pid in skip or process.status() == psutil.STATUS_ZOMBIE:
                 continue
             if not any(name in " ".join(process.cmdline()) for name in SHARED_HELPERS):
                 alive.append(process)
