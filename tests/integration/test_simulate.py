@@ -53,6 +53,26 @@ def test_simulate_writes_a_reproducible_report_with_all_three_rules_and_plots(tm
     assert (tmp_path / "c" / "report.json").read_bytes() != report
 
 
+def test_a_run_shorter_than_one_sample_still_writes_its_report_and_plots(tmp_path: Path) -> None:
+    """3 simulated minutes, less than the 5-minute sample interval: the coverage plot says there is no sample."""
+    command = [
+        "simulate",
+        "--servers",
+        "5",
+        "--clients",
+        "10",
+        "--hours",
+        "0.05",
+        "--no-compare",
+        "--out",
+        str(tmp_path),
+    ]
+    run = subprocess.run([*SWARMLM, *command], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json.loads((tmp_path / "report.json").read_text())["runs"]["swarmlm"]["series"]["hour"] == []
+    assert (tmp_path / "coverage_swarmlm.png").stat().st_size > 0
+
+
 # the validation: a real loopback swarm of SmolLM2 (2 servers, 8 users at once) against the simulator's prediction
 # from step costs measured here, on this machine (one server at 1 and 8 sessions, 2 servers at 1 session). The
 # simulator gives every server a machine of its own: two one-thread servers on two cores come close to that, three

@@ -33,11 +33,15 @@ def throughput(runs: dict[str, Metrics], path: Path) -> None:
 
 
 def coverage(m: Metrics, name: str, path: Path) -> None:
-    grid = np.array([s.cover for s in m.samples], dtype=float).T  # (blocks, samples)
     fig, ax = plt.subplots(figsize=(9, 4.5))
-    end = m.samples[-1].t / 3600 if m.samples else 1.0
-    image = ax.imshow(grid, aspect="auto", origin="lower", cmap="viridis", extent=(0, end, 0, grid.shape[0]))
-    fig.colorbar(image, ax=ax, label="serving servers")
+    if m.samples:
+        grid = np.array([s.cover for s in m.samples], dtype=float).T  # (blocks, samples)
+        end = m.samples[-1].t / 3600
+        image = ax.imshow(grid, aspect="auto", origin="lower", cmap="viridis", extent=(0, end, 0, grid.shape[0]))
+        fig.colorbar(image, ax=ax, label="serving servers")
+    else:  # a run shorter than one sample interval
+        ax.text(0.5, 0.5, "no sample: the run was shorter than one sample interval", ha="center", va="center",
+                transform=ax.transAxes)  # fmt: skip
     ax.set_xlabel("hour")
     ax.set_ylabel("block")
     ax.set_title(f"Servers per block over time ({name} placement)")
