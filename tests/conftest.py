@@ -16,6 +16,7 @@ from swarmlm import AutoDistributedModelForCausalLM
 from swarmlm.models.loading import DEFAULT_MODEL, load_config, resolve_model
 from swarmlm.tools import prefork
 from swarmlm.tools.local_swarm import LocalSwarm
+from swarmlm.tools.soak import started_since
 
 # servers of the tests' swarms are forked from a process that imported the server's code once (tools/prefork.py):
 # about 4 s of CPU less per server, of the ~190 the suite starts; tests/integration/test_processes.py checks both ways
@@ -118,25 +119,10 @@ def connected_model(model: str | Path, swarm: LocalSwarm, **options: object) -> 
         model.close()
 
 
-# helpers of torch and of Python's multiprocessing that exit with their clients or with the interpreter
-NOT_OURS = ("torch_shm_manager", "multiprocessing.resource_tracker")
-
-
 def descendants() -> list[psutil.Process]:
-    """Live processes started (directly or not) by this test process, except torch's own helpers and the server
-    forkers."""
-    alive = []
-    forkers = prefork.forker_pids()  # they serve the whole run (closed at its end): not a test's leftovers
-    for process in psutil.Process(os.getpid()).children(recursive=True):
-        try:
-            command = " ".join(process.cmdline())
-            if process.pid in forkers:
-                continue
-            if process.status() != psutil.STATUS_ZOMBIE and not any(name in command for name in NOT_OURS):
-                alive.append(process)
-        except (psutil.NoSuchProcess, psutil.ZombieProcess):
-            continue
-    return alive
+    """Live processes started (directly or not) by this test process, except torch's and multiprocessing's own
+    helpers and the server forkers (the soak's check, tools/soak.py, with nothing started before)."""
+    return started_since(set())
 
 
 @pytest.fixture(scope="session", autouse=True)
