@@ -89,11 +89,24 @@ case "${1:-}" in
               shift
               exec "$PY" -m pytest "${parallel[@]}" tests/unit tests/integration/test_smoke.py "$@"
           fi
-          "$VENV/bin/mypy"
-          build_docs
+          # the type check and the docs build run beside the tests at the lowest priority: from a cold cache they take
+          # ~30 s of CPU, which the workers leave idle while they wait on servers and timeouts; their output follows
+          # the tests' and a failure fails the run
+          checks_log="$(mktemp)"
+          ( renice -n 19 "$BASHPID" >/dev/null; "$VENV/bin/mypy" && build_docs ) >"$checks_log" 2>&1 &
+          checks=$!
           # everything but the tests that measure speed, on the workers; then those, with the machine to themselves
           status=0
           "$PY" -m pytest "${parallel[@]}" -m "not alone" "$@" || status=$?
+          checked=0
+          wait "$checks" || checked=$?
+          echo "mypy and the docs build:" >&2
+          cat "$checks_log" >&2
+          rm -f "$checks_log"
+          if [ "$checked" != 0 ]; then
+              echo "mypy or the docs build failed" >&2
+              [ "$status" != 0 ] || status=$checked
+          fi
           "$PY" -m pytest -m alone "$@" || { code=$?; [ "$code" = 5 ] || status=$code; }  # 5: none selected
           exit "$status" ;;
     bench) setup; shift; exec "$PY" bench/run.py "$@" ;;

@@ -11,6 +11,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+from swarmlm.tools import prefork
+from swarmlm.tools.local_swarm import child_env
 from swarmlm.utils.processes import spawn_bound
 
 SWARMLM = [sys.executable, "-m", "swarmlm.cli.main"]
@@ -37,13 +39,25 @@ def api_process(model_dir: Path, initial_peers: Sequence[str], name: str, *extra
         yield url
 
 
+Process = subprocess.Popen[str] | prefork.ForkedProcess
+
+
+def _start(command: list[str]) -> Process:
+    """The process, output and errors in one text pipe. Forked as the suite's servers are, from the same forker (the
+    environment LocalSwarm gives its servers) when SWARMLM_PREFORK is on: importing the API's stack in a new process
+    costs ~4 s of CPU, and the suite starts dozens of them."""
+    if prefork.enabled():
+        return prefork.launch(command, child_env(), process_group=False)
+    return spawn_bound(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
 @contextmanager
 def http_server(
     args: list[str], ready_line: str, stopped_by_test: bool = True, output: list[str] | None = None
-) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+) -> Iterator[tuple[str, Process]]:
     """http_process(), yielding the process too, for a test that stops it itself (then it may have exited cleanly
     by the end)."""
-    process = spawn_bound([*SWARMLM, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = _start([*SWARMLM, *args])
     lines: list[str] = [] if output is None else output
     ready = threading.Event()
     url: list[str] = []

@@ -42,6 +42,12 @@ def even_spans(num_blocks: int, num_servers: int) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:], strict=True))
 
 
+def child_env() -> dict[str, str]:
+    """The environment of the processes a local swarm starts: this one's, output unbuffered (it is read line by line)
+    and co-located processes sharing the cores (OpenMP threads that spin after their work would slow the next one)."""
+    return {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, "PYTHONUNBUFFERED": "1"}
+
+
 @dataclass
 class LocalServer:
     start: int
@@ -115,9 +121,7 @@ class LocalSwarm:
         if self.threads_per_server:
             args += ["--num-threads", str(self.threads_per_server)]
         log_path = self.log_dir / f"server-{len(self.servers)}-{'-'.join(span[1:]).replace(':', '-')}.log"
-        # co-located servers share the cores: OpenMP threads that spin after their work would slow the next server
-        env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, "PYTHONUNBUFFERED": "1"}
-        process = self._launch(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+        process = self._launch(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child_env(), text=True)
         server = LocalServer(start, end, process, log_path)
         threading.Thread(target=self._pump, args=(server,), daemon=True).start()
         self.servers.append(server)
