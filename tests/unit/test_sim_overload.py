@@ -9,8 +9,9 @@ from swarmlm.sim.report import summarize
 from swarmlm.sim.scenario import Scenario
 from swarmlm.sim.simulation import Simulation
 
-# a few servers and far more chats than their caches hold at once
-OVERLOADED = Scenario(servers=8, clients=1500, hours=0.5, seed=3, outage_hour=None, training_share=0.0)
+# a few servers and far more chats than their caches hold at once (with this seed all 80 blocks are served 77% of the
+# half hour: servers take minutes to load, and some seeds leave a block unserved throughout)
+OVERLOADED = Scenario(servers=12, clients=1500, hours=0.5, seed=1, outage_hour=None, training_share=0.0)
 
 
 def test_an_overloaded_swarm_refuses_users_fast_and_serves_the_admitted_at_speed() -> None:
@@ -27,12 +28,27 @@ def test_an_overloaded_swarm_refuses_users_fast_and_serves_the_admitted_at_speed
 
 
 def test_without_overload_almost_nobody_is_refused() -> None:
-    light = dataclasses.replace(OVERLOADED, servers=30, clients=60)
+    light = dataclasses.replace(OVERLOADED, servers=40, clients=60)
     sessions = summarize(light, Simulation(light).run())["sessions"]
     # only in the first minutes, while the servers load one by one, can a few of them be full
     assert sessions["users_refused_busy"] <= 0.05 * sessions["chats_started"]
-    # the others: early users who found blocks not yet served
+    # the others: early users who found blocks not yet served (an admitted chat may also fail later, when a crash
+    # leaves a block of its route unserved: it is counted in both)
     assert (
         sessions["chats_admitted"] + sessions["users_refused_busy"] + sessions["failed_while_a_block_was_missing"]
-        == sessions["chats_started"]
+        >= sessions["chats_started"]
     )
+    assert sessions["chats_admitted"] >= 0.8 * sessions["chats_started"]
+
+
+def test_two_rules_that_never_move_see_the_same_swarm_and_serve_the_same() -> None:
+    # quality 0: neither rule ever moves a server, and both place joining servers with choose_span; Petals' rule
+    # checks every 120 s, this project's every 60 s. The runs must then be the same run: a difference would be the
+    # simulator's noise (the checks drawing from the stream that decides servers' lives), not the rules'
+    figures = {}
+    for rule in ("swarmlm", "petals"):
+        scenario = dataclasses.replace(OVERLOADED, placement=rule, balance_quality=0.0)
+        figures[rule] = summarize(scenario, Simulation(scenario).run())
+        figures[rule].pop("placement")
+    assert figures["swarmlm"]["rebalancing"]["moves"] == 0
+    assert figures["swarmlm"] == figures["petals"]

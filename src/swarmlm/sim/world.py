@@ -109,6 +109,10 @@ class World:
         self.scenario, self.engine, self.rng, self.metrics = scenario, engine, rng, metrics
         self.B = scenario.num_blocks
         self.rule: Rule = make_rule(scenario.placement, scenario.balance_quality, random.Random(rng.random()))
+        # the checks' jitter has a generator of its own: rules that check at other intervals (Petals' every 120 s)
+        # then draw the same servers' lives, crashes and lapses from `rng`, so that runs of two rules differ by what
+        # the rules decide, not by where the shared stream of random numbers went
+        self.check_rng = random.Random(rng.random())
         self.records: dict[str, ServerRecord] = {}
         self.version = 0  # bumped at every change of records
         self._totals: tuple[int, list[float]] = (-1, [])
@@ -197,8 +201,8 @@ class World:
 
     def _schedule_check(self, server: Server) -> None:
         interval = self.rule.check_interval_s or self.scenario.rebalance_interval_s
-        if interval > 0:  # lifecycle.rebalance_delay's jitter, drawn from the simulation's generator
-            server.check = self.engine.after(interval * self.rng.uniform(0.5, 1.5), self._rebalance, server)
+        if interval > 0:  # lifecycle.rebalance_delay's jitter
+            server.check = self.engine.after(interval * self.check_rng.uniform(0.5, 1.5), self._rebalance, server)
 
     def _rebalance(self, server: Server) -> None:
         if not server.serving:
