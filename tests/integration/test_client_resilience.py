@@ -3,11 +3,8 @@ that lies, refuses or hangs; results must still equal a local run, or fail clear
 
 from __future__ import annotations
 
-import os
 import resource
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +14,6 @@ import torch
 
 from swarmlm.errors import BadRequestError, RemoteCallError
 from swarmlm.tools.local_swarm import LocalServer, LocalSwarm
-from swarmlm.utils.processes import spawn_bound
 from tests.conftest import LOGITS_ATOL, connected_model, load_reference, running_swarm
 from tests.integration.hostile_server import CANCELLED_LINE, HUGE_REPLY_BYTES, SERVED_LINE
 
@@ -37,13 +33,7 @@ def add_hostile(swarm: LocalSwarm, start: int, end: int, mode_file: Path) -> Loc
     ]  # fmt: skip
     if swarm.dht_prefix:
         args += ["--dht-prefix", swarm.dht_prefix]
-    env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, "PYTHONUNBUFFERED": "1"}
-    process = spawn_bound(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
-    server = LocalServer(start, end, process, swarm.log_dir / f"hostile-{start}-{end}.log")
-    threading.Thread(target=swarm._pump, args=(server,), daemon=True).start()
-    swarm.servers.append(server)  # stopped with the swarm
-    swarm.wait_ready([server])
-    return server
+    return swarm.add_command(args, start, end, f"hostile-{start}-{end}.log")  # stopped with the swarm
 
 
 class Hostile:

@@ -5,9 +5,7 @@ or a pulled cable, no connection closes) is noticed by the client's liveness pin
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -18,7 +16,6 @@ import pytest
 import torch
 
 from swarmlm.tools.local_swarm import LocalServer, LocalSwarm
-from swarmlm.utils.processes import spawn_bound
 from tests.conftest import LOGITS_ATOL, connected_model, load_reference, running_swarm
 from tests.integration.slow_server import BEGAN_LINE
 
@@ -40,13 +37,9 @@ def add_slow(swarm: LocalSwarm, start: int, end: int, delay_s: float = DELAY_S) 
         sys.executable, str(SLOW_SCRIPT), str(delay_s), "serve", str(swarm.model), "--blocks", f"{start}:{end}",
         "--host", "127.0.0.1", "--initial-peers", *swarm.initial_peers, "--num-threads", "1",
     ]  # fmt: skip
-    env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, "PYTHONUNBUFFERED": "1"}
-    process = spawn_bound(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
-    server = LocalServer(start, end, process, swarm.log_dir / f"slow-{len(swarm.servers)}-{start}-{end}.log")
-    threading.Thread(target=swarm._pump, args=(server,), daemon=True).start()
-    swarm.servers.append(server)  # stopped with the swarm
-    swarm.wait_ready([server])
-    return server
+    return swarm.add_command(
+        args, start, end, f"slow-{len(swarm.servers)}-{start}-{end}.log"
+    )  # stopped with the swarm
 
 
 def began(server: LocalServer) -> int:

@@ -6,10 +6,7 @@ a local run whichever route they took."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +14,6 @@ import pytest
 import torch
 
 from swarmlm.tools.local_swarm import LocalServer, LocalSwarm
-from swarmlm.utils.processes import spawn_bound
 from tests.conftest import LOGITS_ATOL, connected_model, load_reference
 
 RATED_SCRIPT = Path(__file__).with_name("rated_server.py")
@@ -35,12 +31,9 @@ def add_rated(swarm: LocalSwarm, start: int, end: int, throughput: float) -> Loc
         sys.executable, str(RATED_SCRIPT), str(throughput), "serve", str(swarm.model), "--blocks", f"{start}:{end}",
         "--host", "127.0.0.1", "--initial-peers", *swarm.initial_peers, "--num-threads", "1",
     ]  # fmt: skip
-    env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, "PYTHONUNBUFFERED": "1"}
-    process = spawn_bound(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
-    server = LocalServer(start, end, process, swarm.log_dir / f"rated-{len(swarm.servers)}-{start}-{end}.log")
-    threading.Thread(target=swarm._pump, args=(server,), daemon=True).start()
-    swarm.servers.append(server)  # stopped with the swarm
-    return server
+    return swarm.add_command(
+        args, start, end, f"rated-{len(swarm.servers)}-{start}-{end}.log", wait=False
+    )  # stopped with the swarm
 
 
 @pytest.fixture(scope="module")

@@ -120,9 +120,15 @@ class LocalSwarm:
             args += ["--swarm-key", self.swarm_key_file]
         if self.threads_per_server:
             args += ["--num-threads", str(self.threads_per_server)]
-        log_path = self.log_dir / f"server-{len(self.servers)}-{'-'.join(span[1:]).replace(':', '-')}.log"
+        log_name = f"server-{len(self.servers)}-{'-'.join(span[1:]).replace(':', '-')}.log"
+        return self.add_command(args, start, end, log_name, wait=wait)
+
+    def add_command(self, args: list[str], start: int, end: int, log_name: str, wait: bool = True) -> LocalServer:
+        """A server of blocks start:end started by the command `args` (`python -m swarmlm.cli.main serve ...`, or a
+        script that wraps that command), its output logged to `log_name` in the swarm's log folder; stopped with
+        the swarm."""
         process = self._launch(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child_env(), text=True)
-        server = LocalServer(start, end, process, log_path)
+        server = LocalServer(start, end, process, self.log_dir / log_name)
         threading.Thread(target=self._pump, args=(server,), daemon=True).start()
         self.servers.append(server)
         if wait:

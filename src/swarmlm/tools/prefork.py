@@ -11,7 +11,9 @@ huggingface_hub's endpoint and cache), so a forker serves only the environment i
 environment gets its own forker. Children die with their forker, which dies with this process, as spawned servers
 die with it (utils/processes.py).
 
-`LocalSwarm` uses it when SWARMLM_PREFORK=1 (the test suite sets it); otherwise servers are spawned as usual.
+`LocalSwarm` uses it when SWARMLM_PREFORK=1 (the test suite sets it); otherwise servers are spawned as usual. A forker
+runs any `python -m swarmlm.cli.main ...` command line (the tests' `swarmlm api` and `monitor` processes too) and
+Python scripts that wrap one (the tests' altered servers).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import io
 import json
 import logging
 import os
+import runpy
 import select
 import signal
 import socket
@@ -57,8 +60,11 @@ def enabled() -> bool:
 
 
 def can_fork(args: Sequence[str]) -> bool:
-    """Whether `args` is a command line a forker runs: this interpreter with `-m swarmlm.cli.main`."""
-    return len(args) >= 3 and args[0] == sys.executable and args[1] == "-m" and args[2] == MODULE
+    """Whether `args` is a command line a forker runs: this interpreter with `-m swarmlm.cli.main`, or with a Python
+    script (one that wraps that command, as the tests' altered servers do)."""
+    if len(args) < 2 or args[0] != sys.executable:
+        return False
+    return (len(args) >= 3 and args[1] == "-m" and args[2] == MODULE) or args[1].endswith(".py")
 
 
 class ForkedProcess:
@@ -130,8 +136,13 @@ class Forker:
         with self._send_lock:
             self._requests += 1
             number = self._requests
-            request = {"number": number, "module": args[2], "argv": list(args[3:]), "env": dict(env),
-                       "cwd": cwd or os.getcwd(), "process_group": process_group}  # fmt: skip
+            command = (
+                {"module": args[2], "argv": list(args[3:])}
+                if args[1] == "-m"
+                else {"script": os.path.abspath(args[1]), "argv": list(args[2:])}
+            )
+            request = {"number": number, **command, "env": dict(env), "cwd": cwd or os.getcwd(),
+                       "process_group": process_group}  # fmt: skip
             payload = json.dumps(request).encode()
             try:
                 socket.send_fds(self.sock, [_HEADER.pack(len(payload)) + payload], [write_end])
@@ -324,7 +335,7 @@ def _child(sock: socket.socket, request: dict[str, Any], output: int) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        sys.argv = [request["module"], *request["argv"]]
+        sys.argv = [request.get("script") or request["module"], *request["argv"]]
         # children of one forker would share its random states: seed them anew, as a new process would be
         import random
 
@@ -332,8 +343,13 @@ def _child(sock: socket.socket, request: dict[str, Any], output: int) -> None:
 
         random.seed()
         torch.seed()
-        # the module is named by the command line, as `python -m` names it (the forker runs commands, not code)
-        code = importlib.import_module(request["module"]).main(request["argv"])
+        if "script" in request:  # as `python SCRIPT ARGS` runs it: its folder first on the path, named __main__
+            script = request["script"]
+            sys.path.insert(0, os.path.dirname(script))
+            runpy.run_path(script, run_name="__main__")
+            code = 0
+        else:  # the module is named by the command line, as `python -m` names it (the forker runs commands, not code)
+            code = importlib.import_module(request["module"]).main(request["argv"])
         # what the interpreter does at exit after `python -m`: join the threads left, then run the exit handlers
         # (multiprocessing's stops the DHT's process)
         threading._shutdown()  # type: ignore[attr-defined]
