@@ -51,6 +51,17 @@ def _start(command: list[str]) -> Process:
     return spawn_bound(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def run_command(
+    command: list[str], timeout: float, env: dict[str, str] | None = None, cwd: str | Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """subprocess.run(command, capture_output=True, text=True, ...): forked (see _start) when it is a `swarmlm`
+    command line or a Python script and no other environment is asked for (another would need a forker of its
+    own)."""
+    if env is None and prefork.enabled() and prefork.can_fork(command):
+        return prefork.run(command, child_env(), timeout, None if cwd is None else str(cwd))
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
+
+
 @contextmanager
 def http_server(
     args: list[str], ready_line: str, stopped_by_test: bool = True, output: list[str] | None = None

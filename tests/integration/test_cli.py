@@ -22,6 +22,7 @@ from swarmlm.swarm.identity import peer_id_bytes
 from swarmlm.tools.local_swarm import READY_LINE
 from swarmlm.utils.processes import spawn_bound
 from tests.conftest import LOGITS_ATOL, load_reference
+from tests.integration.http_process import run_command
 
 SWARMLM = [sys.executable, "-m", "swarmlm.cli.main"]
 
@@ -56,7 +57,7 @@ def test_bootstrap_node_serves_as_entry_point_for_a_new_swarm(tiny_model_dir: Pa
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*SWARMLM, *args], capture_output=True, text=True, timeout=120)
+    return run_command([*SWARMLM, *args], timeout=120)
 
 
 def test_bad_arguments_get_clear_errors(tiny_model_dir: Path) -> None:

@@ -11,7 +11,6 @@ import contextlib
 import functools
 import itertools
 import re
-import subprocess
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from swarmlm.errors import ConfigError
 from swarmlm.models.quant import quantize
 from swarmlm.tools.local_swarm import LocalSwarm
 from tests.conftest import LOGITS_ATOL, connected_model, load_reference, running_swarm
+from tests.integration.http_process import run_command
 from tests.integration.test_backward_tiny import GRAD_RTOL, local_deep_ptune_logits
 from tests.tiny_families import build_adapter
 
@@ -410,7 +410,7 @@ def serve_refusal(model_dir: Path, flags: tuple[str, ...]) -> str:
     need the same flags share one start)."""
     args = [sys.executable, "-m", "swarmlm.cli.main", "serve", str(model_dir), "--blocks", "0:5", "--new-swarm",
             "--host", "127.0.0.1", *flags]  # fmt: skip
-    done = subprocess.run(args, capture_output=True, text=True, timeout=120, check=False)
+    done = run_command(args, timeout=120)
     assert done.returncode != 0, "the server started"
     return done.stdout + done.stderr
 

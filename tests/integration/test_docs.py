@@ -18,7 +18,7 @@ from swarmlm.cli.main import build_parser
 from swarmlm.models.loading import DEFAULT_MODEL
 from swarmlm.tools.local_swarm import LocalSwarm
 from tests.conftest import running_swarm
-from tests.integration.http_process import http_process
+from tests.integration.http_process import http_process, run_command
 
 ROOT = Path(__file__).resolve().parents[2]
 # the addresses the examples show; the test puts the local swarm's (and API's) real ones in their place
@@ -131,9 +131,7 @@ def test_python_example_runs(block: Block, swarm: LocalSwarm, request: pytest.Fi
     script.write_text(code)
     # a fresh folder per example (they write prompts and adapters into it), outside the checkout; no HF_HUB_OFFLINE
     # is set for them: only the code they show keeps them off the Hugging Face Hub
-    result = subprocess.run(
-        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=EXAMPLE_TIMEOUT_S
-    )
+    result = run_command([sys.executable, str(script)], timeout=EXAMPLE_TIMEOUT_S, cwd=tmp_path)
     assert result.returncode == 0, f"{block.name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     assert result.stdout.strip(), f"{block.name} printed nothing; its examples show their results"
 

@@ -19,7 +19,7 @@ from swarmlm.api.status import STATUS_MISSING_BLOCKS, STATUS_NO_MODEL
 from swarmlm.swarm.dht import start_dht, visible_maddrs
 from swarmlm.tools.local_swarm import LocalSwarm
 from tests.conftest import running_swarm
-from tests.integration.http_process import SWARMLM, http_process
+from tests.integration.http_process import SWARMLM, http_process, run_command
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -87,9 +87,7 @@ def test_json_lists_the_model_its_coverage_and_servers(monitor_url: str, swarm: 
 
 
 def test_status_prints_the_same_as_a_table(swarm: LocalSwarm) -> None:
-    result = subprocess.run(
-        [*SWARMLM, "status", "--initial-peers", *swarm.initial_peers], capture_output=True, text=True, timeout=120
-    )
+    result = run_command([*SWARMLM, "status", "--initial-peers", *swarm.initial_peers], timeout=120)
     assert result.returncode == 0, result.stderr
     assert "5 blocks, complete" in result.stdout and "coverage [=====]" in result.stdout
     for server in swarm.servers:
@@ -99,9 +97,7 @@ def test_status_prints_the_same_as_a_table(swarm: LocalSwarm) -> None:
 
 def status(*args: str, env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess[str], float]:
     began = time.perf_counter()
-    result = subprocess.run(
-        [*SWARMLM, "status", *args], capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})}
-    )
+    result = run_command([*SWARMLM, "status", *args], timeout=120, env={**os.environ, **env} if env else None)
     return result, time.perf_counter() - began
 
 

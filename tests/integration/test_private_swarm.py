@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,7 +26,7 @@ from swarmlm.swarm.private import OUTSIDER_REFUSAL, blind_prefix, generate_swarm
 from swarmlm.swarm.records import ServerRecord, ServerState, announce, fetch_servers, servers_key
 from swarmlm.tools.local_swarm import LocalSwarm
 from tests.conftest import LOGITS_ATOL, connected_model, load_reference, running_swarm
-from tests.integration.http_process import SWARMLM, http_process
+from tests.integration.http_process import SWARMLM, http_process, run_command
 
 IDS = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(7))
 
@@ -118,10 +117,10 @@ def test_a_bad_key_file_is_a_clear_error(tmp_path: Path) -> None:
 
 def test_status_and_monitor_see_the_private_swarm_with_its_key_only(key_file: Path, private: LocalSwarm) -> None:
     command = [*SWARMLM, "status", "--initial-peers", *private.initial_peers]
-    member = subprocess.run([*command, "--swarm-key", str(key_file)], capture_output=True, text=True, timeout=120)
+    member = run_command([*command, "--swarm-key", str(key_file)], timeout=120)
     assert member.returncode == 0, member.stdout + member.stderr
     assert "5 blocks, complete" in member.stdout and "online" in member.stdout  # its server answered the probe
-    outsider = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    outsider = run_command(command, timeout=120)
     assert outsider.returncode == STATUS_NO_MODEL and "No model is served" in outsider.stdout, outsider.stderr
     args = ["monitor", "--port", "0", "--initial-peers", *private.initial_peers, "--swarm-key", str(key_file)]
     with http_process(args, MONITOR_READY_LINE) as url:

@@ -24,7 +24,7 @@ from swarmlm.tools.demo import attach_lines
 from swarmlm.tools.local_swarm import LocalSwarm
 from swarmlm.utils.processes import spawn_bound
 from tests.conftest import LOGITS_ATOL, connected_model, load_reference, running_swarm
-from tests.integration.http_process import SWARMLM, http_process
+from tests.integration.http_process import SWARMLM, http_process, run_command
 
 NAME = "smollm2-135m-instruct"  # as typed in the README's recipe
 DISPLAY = "SmolLM2-135M-Instruct"  # what pages show, however the model was named
@@ -126,9 +126,7 @@ def test_monitor_json_and_status_show_names_not_paths(api_url: str, swarm: Local
     snapshot = complete_snapshot(api_url)
     assert_no_path(snapshot, smollm_dir)
     assert {row["peer_id"] for row in snapshot["models"][0]["servers"]} == {s.peer_id for s in swarm.servers}
-    status = subprocess.run(
-        [*SWARMLM, "status", "--initial-peers", *swarm.initial_peers], capture_output=True, text=True, timeout=120
-    )
+    status = run_command([*SWARMLM, "status", "--initial-peers", *swarm.initial_peers], timeout=120)
     assert status.returncode == 0, status.stderr
     assert f"Model {DISPLAY} (swarm '{NAME}'): 30 blocks, complete" in status.stdout
     for path in (str(smollm_dir), smollm_dir.name, str(Path.home()), ".gguf"):

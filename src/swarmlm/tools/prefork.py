@@ -70,8 +70,8 @@ def can_fork(args: Sequence[str]) -> bool:
 class ForkedProcess:
     """A child of a forker, with the part of subprocess.Popen's interface that servers' owners use."""
 
-    def __init__(self, forker: Forker, pid: int, stdout: IO[str] | None):
-        self.forker, self.pid, self.stdout = forker, pid, stdout
+    def __init__(self, forker: Forker, pid: int, stdout: IO[str] | None, stderr: IO[str] | None = None):
+        self.forker, self.pid, self.stdout, self.stderr = forker, pid, stdout, stderr
         self.args: list[str] = []
         self.returncode: int | None = None
 
@@ -129,10 +129,13 @@ class Forker:
         threading.Thread(target=self._read_replies, name="swarmlm-prefork", daemon=True).start()
 
     def launch(
-        self, args: Sequence[str], env: Mapping[str, str], cwd: str | None, process_group: bool
-    ) -> ForkedProcess:
-        """Fork a child running `args` (a `python -m swarmlm.cli.main ...` command line), its output into a pipe."""
-        read_end, write_end = os.pipe()
+        self, args: Sequence[str], env: Mapping[str, str], cwd: str | None, process_group: bool,
+        split_errors: bool = False,
+    ) -> ForkedProcess:  # fmt: skip
+        """Fork a child running `args` (see can_fork), its output into a pipe (its errors too, or into a second pipe
+        with split_errors)."""
+        pipes = [os.pipe() for _ in range(2 if split_errors else 1)]
+        read_ends, write_ends = [r for r, _ in pipes], [w for _, w in pipes]
         with self._send_lock:
             self._requests += 1
             number = self._requests
@@ -142,24 +145,28 @@ class Forker:
                 else {"script": os.path.abspath(args[1]), "argv": list(args[2:])}
             )
             request = {"number": number, **command, "env": dict(env), "cwd": cwd or os.getcwd(),
-                       "process_group": process_group}  # fmt: skip
+                       "process_group": process_group, "split_errors": split_errors}  # fmt: skip
             payload = json.dumps(request).encode()
             try:
-                socket.send_fds(self.sock, [_HEADER.pack(len(payload)) + payload], [write_end])
+                socket.send_fds(self.sock, [_HEADER.pack(len(payload)) + payload], write_ends)
             except OSError as e:
-                os.close(read_end)
+                for fd in read_ends:
+                    os.close(fd)
                 raise SwarmError(f"the server forker is gone ({e})") from e
             finally:
-                os.close(write_end)
+                for fd in write_ends:
+                    os.close(fd)
         deadline = time.monotonic() + READY_TIMEOUT_S
         with self._changed:
             while number not in self._started:
                 if self._closed or time.monotonic() > deadline:
-                    os.close(read_end)
+                    for fd in read_ends:
+                        os.close(fd)
                     raise SwarmError(f"the server forker did not start a server (exit code {self.process.poll()})")
                 self._changed.wait(0.5)
             pid = self._started.pop(number)
-        process = ForkedProcess(self, pid, os.fdopen(read_end, "r", errors="replace"))
+        streams = [os.fdopen(fd, "r", errors="replace") for fd in read_ends]
+        process = ForkedProcess(self, pid, *streams)
         process.args = list(args)
         return process
 
@@ -233,7 +240,10 @@ _forkers: dict[str, Forker] = {}
 _forkers_lock = threading.Lock()
 
 
-def launch(args: Sequence[str], env: Mapping[str, str], cwd: str | None = None, process_group: bool = True) -> Any:
+def launch(
+    args: Sequence[str], env: Mapping[str, str], cwd: str | None = None, process_group: bool = True,
+    split_errors: bool = False,
+) -> Any:  # fmt: skip
     """A forked `args` (see can_fork) with `env`, from the forker of that environment (started now if none is)."""
     key = hashlib.sha256(json.dumps(sorted(_import_env(env).items())).encode()).hexdigest()
     idle: list[Forker] = []
@@ -248,7 +258,34 @@ def launch(args: Sequence[str], env: Mapping[str, str], cwd: str | None = None, 
             idle = [_forkers.pop(k) for k in keys]
     for old in idle:
         old.close()
-    return forker.launch(args, env, cwd, process_group)
+    return forker.launch(args, env, cwd, process_group, split_errors)
+
+
+def run(
+    args: Sequence[str], env: Mapping[str, str], timeout: float, cwd: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    """subprocess.run(args, env=env, cwd=cwd, timeout=timeout, capture_output=True, text=True) for a command a forker
+    runs: the same result (output and errors apart), the child killed and TimeoutExpired raised past the timeout."""
+    process = launch(args, env, cwd, process_group=False, split_errors=True)
+    read: dict[str, str] = {}
+    readers = [
+        threading.Thread(target=lambda name=name, stream=stream: read.__setitem__(name, stream.read()), daemon=True)
+        for name, stream in (("out", process.stdout), ("err", process.stderr))
+    ]
+    for reader in readers:
+        reader.start()
+    try:
+        code = process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        raise
+    finally:
+        for reader in readers:
+            reader.join(5.0)
+        process.stdout.close()
+        process.stderr.close()
+    return subprocess.CompletedProcess(list(args), code, read.get("out", ""), read.get("err", ""))
 
 
 def forker_pids() -> set[int]:
@@ -294,10 +331,13 @@ def _serve(sock: socket.socket) -> None:
             request = json.loads(buffer[_HEADER.size : _HEADER.size + length])
             buffer = buffer[_HEADER.size + length :]
             output = fds.pop(0)
+            errors = fds.pop(0) if request.get("split_errors") else None
             pid = os.fork()
             if pid == 0:
-                _child(sock, request, output)  # never returns
+                _child(sock, request, output, errors)  # never returns
             os.close(output)
+            if errors is not None:
+                os.close(errors)
             children.add(pid)
             sock.sendall(f"started {request['number']} {pid}\n".encode())
 
@@ -314,7 +354,7 @@ def _reap(sock: socket.socket, children: set[int]) -> None:
             sock.sendall(f"exited {pid} {os.waitstatus_to_exitcode(status)}\n".encode())
 
 
-def _child(sock: socket.socket, request: dict[str, Any], output: int) -> None:
+def _child(sock: socket.socket, request: dict[str, Any], output: int, errors: int | None) -> None:
     code: object = 1
     try:
         sock.close()
@@ -326,8 +366,10 @@ def _child(sock: socket.socket, request: dict[str, Any], output: int) -> None:
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
         os.dup2(output, 1)
-        os.dup2(output, 2)
+        os.dup2(output if errors is None else errors, 2)
         os.close(output)
+        if errors is not None:
+            os.close(errors)
         os.close(devnull)
         for stream in (sys.stdout, sys.stderr):
             if isinstance(stream, io.TextIOWrapper):
