@@ -140,6 +140,7 @@ class Server:
 
     def run(self) -> None:
         cfg = self.config
+        memory.share_one_arena()  # before the DHT, the event loop and the compute thread start (server/memory.py)
         key = load_or_create_identity(cfg.identity_path) if cfg.identity_path else None
         self.dht = start_dht(
             cfg.initial_peers,
