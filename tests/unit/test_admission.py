@@ -12,7 +12,14 @@ from swarmlm.client.health import busy_cool_down_s
 from swarmlm.client.sequence_manager import SequenceManager
 from swarmlm.config import ClientConfig
 from swarmlm.errors import SwarmBusyError
-from swarmlm.server.admission import MAX_RETRY_AFTER_S, MIN_RETRY_AFTER_S, SessionLengths, admit_now, retry_after_s
+from swarmlm.server.admission import (
+    MAX_RETRY_AFTER_S,
+    MIN_RETRY_AFTER_S,
+    PRIOR_SESSION_S,
+    SessionLengths,
+    admit_now,
+    retry_after_s,
+)
 from swarmlm.server.peers import PeerLedger, PeerLimits
 from swarmlm.swarm.records import ServerRecord, ServerState
 from swarmlm.swarm.route_choice import Knowledge, RouteRequest, choose_route, lacks_room
@@ -45,6 +52,23 @@ def test_the_retry_hint_is_the_mean_session_over_the_open_ones_bounded() -> None
     # a client bounds a server's hint: at least its base cool-down, at most busy_wait_s
     assert busy_cool_down_s(None, 1.0, 10.0) == 1.0
     assert busy_cool_down_s(0.01, 1.0, 10.0) == 1.0 and busy_cool_down_s(1e6, 1.0, 10.0) == 10.0
+
+
+def test_the_first_sessions_replace_the_prior_at_once() -> None:
+    # the prior (a chat of a few turns, 60 s) holds until a session ends; short sessions then give short hints at
+    # once, not after twenty of them (a busy server hinted 30 s while its 2 s sessions freed a slot every second)
+    lengths = SessionLengths()
+    assert lengths.retry_after_s(2) == pytest.approx(PRIOR_SESSION_S / 2)
+    lengths.end(2.0)
+    assert lengths.mean_s == pytest.approx(2.0)
+    for length in (3.0, 4.0):
+        lengths.end(length)
+    assert lengths.mean_s == pytest.approx(3.0)  # the mean of the three
+    for _ in range(200):
+        lengths.end(10.0)
+    assert lengths.mean_s == pytest.approx(10.0)  # then a moving average that follows a change
+    lengths.end(110.0)
+    assert lengths.mean_s == pytest.approx(20.0)  # the newest session weighs 0.1
 
 
 def _views() -> list[ServerView]:

@@ -28,7 +28,12 @@ class SessionLengths:
 
     def end(self, length_s: float) -> None:
         if math.isfinite(length_s) and length_s >= 0:
-            self.mean_s += LENGTH_EMA_WEIGHT * (length_s - self.mean_s)
+            # the plain mean of the sessions ended so far until there are 1 / LENGTH_EMA_WEIGHT of them, then the
+            # moving average: the prior goes with the first session instead of weighing on the hints of the next
+            # twenty (with 2-3 s sessions a server still hinted 6-10 s after a dozen had ended, and users waiting
+            # for its cool-down were refused while its slots kept freeing up)
+            weight = max(LENGTH_EMA_WEIGHT, 1 / (self.ended + 1))
+            self.mean_s += weight * (length_s - self.mean_s)
             self.ended += 1
 
     def retry_after_s(self, open_sessions: int) -> float:
