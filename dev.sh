@@ -78,11 +78,12 @@ case "${1:-}" in
     demo) setup; shift; exec "$VENV/bin/swarmlm" demo "$@" ;;
     test) setup_test; shift
           "$VENV/bin/ruff" check src tests bench; "$VENV/bin/ruff" format --check src tests bench
-          # parallel workers, two more than the cores (tests wait on servers and timeouts as much as they compute:
-          # on 2 cores, 4 workers ran the suite ~30 s faster than 3) up to 4; SWARMLM_TEST_WORKERS sets it. Each
-          # module runs whole on one worker (--dist loadfile), so its swarm starts once
+          # parallel workers, one more than the cores (tests wait on servers and timeouts as much as they compute)
+          # up to 4; SWARMLM_TEST_WORKERS sets it. On 2 cores, from a fresh clone, 3 workers took 12:50 and 4 took
+          # 13:45 (installed, 4 took 12:16). Each module runs whole on one worker (--dist loadfile), so its swarm
+          # starts once
           cores=$(nproc 2>/dev/null || echo 2)
-          workers="${SWARMLM_TEST_WORKERS:-$(( cores + 2 < 4 ? cores + 2 : 4 ))}"
+          workers="${SWARMLM_TEST_WORKERS:-$(( cores + 1 < 4 ? cores + 1 : 4 ))}"
           parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder)
           if [ "${1:-}" = "--quick" ]; then
               # before every commit: lint, the unit tests and one shared real swarm (tests/integration/test_smoke.py)
