@@ -14,9 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -26,7 +24,6 @@ from swarmlm.client.model import AutoDistributedModelForCausalLM
 from swarmlm.config import ClientConfig
 from swarmlm.models.loading import DEFAULT_MODEL, load_config, resolve_model
 from swarmlm.tools.local_swarm import LocalServer, LocalSwarm
-from swarmlm.utils.processes import spawn_bound
 
 HOSTILE_SCRIPT = Path(__file__).resolve().parent.parent / "tests" / "integration" / "hostile_server.py"
 OFF = dict(verify_probability=0.0, verify_first_requests=0)
@@ -37,13 +34,7 @@ MAX_REQUESTS = 400
 def add_hostile(swarm: LocalSwarm, blocks: int, mode_file: Path) -> LocalServer:
     args = [sys.executable, str(HOSTILE_SCRIPT), str(mode_file), "serve", swarm.model, "--blocks", f"0:{blocks}",
             "--host", "127.0.0.1", "--initial-peers", *swarm.initial_peers, "--num-threads", "1"]  # fmt: skip
-    env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, "PYTHONUNBUFFERED": "1"}
-    process = spawn_bound(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
-    server = LocalServer(0, blocks, process, swarm.log_dir / "hostile.log")
-    threading.Thread(target=swarm._pump, args=(server,), daemon=True).start()
-    swarm.servers.append(server)
-    swarm.wait_ready([server])
-    return server
+    return swarm.add_command(args, 0, blocks, "hostile.log")  # stopped with the swarm
 
 
 def connect(swarm: LocalSwarm, **options: object) -> torch.nn.Module:

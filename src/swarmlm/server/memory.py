@@ -31,26 +31,29 @@ def _libc() -> ctypes.CDLL | None:
     return None if name is None else ctypes.CDLL(name)
 
 
+def _mallopt(param: int, value: int) -> bool:
+    """glibc's mallopt(param, value); False where it is not there or refuses."""
+    libc = _libc()
+    mallopt = None if libc is None else getattr(libc, "mallopt", None)
+    return mallopt is not None and mallopt(param, value) == 1
+
+
 def map_big_allocations(threshold_bytes: int) -> bool:
     """Give every allocation of threshold_bytes or more a mapping of its own, unmapped when it is freed (glibc; False
     elsewhere). glibc's default threshold rises to the largest block freed so far, after which requests' tensors and
     frames of a few MB come from its arenas, which keep what they held."""
-    libc = _libc()
-    mallopt = None if libc is None else getattr(libc, "mallopt", None)
-    return mallopt is not None and mallopt(M_MMAP_THRESHOLD, threshold_bytes) == 1
+    return _mallopt(M_MMAP_THRESHOLD, threshold_bytes)
 
 
 def share_one_arena() -> bool:
     """Every thread allocates from one glibc arena (False where mallopt is not glibc's). By default each thread that
     meets contention gets an arena of its own, and what one thread frees only that thread's allocations reuse: the
     event loop reads requests into one arena, the compute thread builds activations in another, and a burst leaves
-    both holding their peak. A burst of big forwards peaked 454 MB above the server's size with glibc's default and
-    235 MB with one arena (tests/integration/test_hostile_peers.py); the threads that allocate large blocks are the
-    event loop and the one compute thread, so the shared lock costs little. Call it before the server starts its
-    threads: arenas made before keep serving their threads."""
-    libc = _libc()
-    mallopt = None if libc is None else getattr(libc, "mallopt", None)
-    return mallopt is not None and mallopt(M_ARENA_MAX, 1) == 1
+    both holding their peak. A burst of big forwards peaked 370-454 MB above the server's size with glibc's default
+    and 235-315 MB with one arena (tests/integration/test_hostile_peers.py); the threads that allocate large blocks
+    are the event loop and the one compute thread, so the shared lock costs little. Call it before the server starts
+    its threads: arenas made before keep serving their threads."""
+    return _mallopt(M_ARENA_MAX, 1)
 
 
 def freeze_startup_objects() -> None:
