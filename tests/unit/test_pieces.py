@@ -108,3 +108,46 @@ def test_without_a_budget_a_piece_is_a_whole_block(tmp_path: Path) -> None:
     _, pieces = drive(backend._run_by_block(0, 4, inputs, None, lora), [0])
     assert pieces == 4 + 4  # forward and backward of each block
     backend.shutdown()
+
+
+@pytest.mark.parametrize(("piece_tokens", "pieces_per_block"), [(2 * SEQ, 3), (4, 5 * 3)], ids=["rows", "positions"])
+def test_a_forward_runs_in_pieces_of_bounded_tokens_with_the_whole_spans_results(
+    span: SpanModel, piece_tokens: int, pieces_per_block: int
+) -> None:
+    """However large a forward, no piece of it computes more than the backend's piece_tokens at once (its activations
+    stay bounded): groups of whole rows while a row fits (5 rows, 2 a piece: 3 pieces), else each row's positions in
+    chunks (11 positions, 4 a piece: 3 chunks for each of 5 rows), with padding, positions and per-row deep prompts."""
+    backend = SpanBackend(span, torch.float32, "cpu", 8192)
+    backend._piece_tokens = piece_tokens
+    generator = torch.Generator().manual_seed(1)
+    rows, hidden_size, blocks = 5, span.config.hidden_size, span.end - span.start
+    mask = torch.ones(rows, SEQ, dtype=torch.long)
+    mask[1, :3] = 0
+    mask[4, :5] = 0
+    inputs = SpanTensors(
+        torch.randn(rows, SEQ, hidden_size, generator=generator),
+        attention_mask=mask,
+        position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+        prompts=torch.randn(blocks, rows, PREFIX, hidden_size, generator=generator),
+    )
+    with torch.inference_mode():
+        expected = span(inputs.hidden, attention_mask=mask, position_ids=inputs.position_ids, prompts=inputs.prompts)
+    for budgets in ([0], [SEQ * rows]):  # the scheduler's sizes never make a piece larger
+        (results, _), pieces = drive(backend._run_by_block(span.start, span.end, inputs, None), budgets)
+        valid = mask.bool()
+        assert (results[0][valid] - expected[valid]).abs().max().item() <= 1e-5 * expected.abs().max().item()
+        assert pieces == blocks * pieces_per_block
+    backend.shutdown()
+
+
+def test_a_pieces_activations_are_bounded_in_bytes() -> None:
+    """The tokens of a piece follow the block's width: fewer for wider blocks and larger dtypes."""
+    from transformers import LlamaConfig
+
+    from swarmlm.server.pieces import PIECE_BYTES, piece_tokens
+
+    narrow = LlamaConfig(hidden_size=64, intermediate_size=128)
+    wide = LlamaConfig(hidden_size=4096, intermediate_size=14336)
+    assert piece_tokens(narrow, torch.float32) == PIECE_BYTES // ((8 * 64 + 4 * 128) * 4)
+    assert piece_tokens(wide, torch.bfloat16) == PIECE_BYTES // ((8 * 4096 + 4 * 14336) * 2)
+    assert piece_tokens(wide, torch.float32) < piece_tokens(wide, torch.bfloat16) < piece_tokens(narrow, torch.float32)

@@ -22,7 +22,15 @@ from swarmlm.protocol.bundle import ReplyTensors, SpanTensors
 from swarmlm.protocol.lora import LoraWeights
 from swarmlm.server.activations import ActivationCache
 from swarmlm.server.joining import JoinableRequest, join, split
-from swarmlm.server.pieces import BlockGraph, SpanCall, Spent, backward_block, forward_block, forward_block_graph
+from swarmlm.server.pieces import (
+    BlockGraph,
+    SpanCall,
+    Spent,
+    backward_block,
+    forward_block,
+    forward_block_graph,
+    piece_tokens,
+)
 from swarmlm.server.scheduler import BatchLimits, DecodeStep, Kind, Scheduler
 from swarmlm.server.speed import median_rate
 from swarmlm.server.validation import SpanLimits
@@ -89,6 +97,8 @@ class SpanBackend:
         # bytes a block's graph held per token, as last measured (before any: none, so a first forward may keep)
         self._graph_bytes_per_token = 0.0
         config = span.config
+        # the most tokens a forward's piece runs at once: its activations stay bounded (server/pieces.py)
+        self._piece_tokens = piece_tokens(config, dtype)
         self.limits = SpanLimits(
             start=span.start,
             end=span.end,
@@ -188,7 +198,7 @@ class SpanBackend:
         spent = Spent()
         mask = None if inputs.attention_mask is None else inputs.attention_mask.to(self.device)
         positions = None if inputs.position_ids is None else inputs.position_ids.to(self.device)
-        call = SpanCall(self.span, mask, positions, adapter)
+        call = SpanCall(self.span, mask, positions, adapter, self._piece_tokens)
         hidden = inputs.hidden.to(self.device, self.dtype)
         prompts = None if inputs.prompts is None else inputs.prompts.to(self.device, self.dtype)
         lora = None if lora is None else lora.with_flat(lora.flat.to(self.device))
