@@ -26,6 +26,7 @@ from swarmlm.errors import ModelLoadError
 from swarmlm.models.fingerprint import model_fingerprint
 from swarmlm.models.loading import converted_from, load_tensors, resolve_model
 from swarmlm.models.naming import model_name
+from swarmlm.tools import prefork
 from swarmlm.tools.demo import attach_lines
 from swarmlm.tools.local_swarm import LocalServer, LocalSwarm
 from tests.conftest import LOGITS_ATOL, load_reference
@@ -287,7 +288,19 @@ def test_a_gguf_file_in_a_repository_converts_as_a_local_one(
 
 
 def run_cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    """`swarmlm ARGS` run to its end with `env`: forked when the suite forks (tools/prefork.py), from a forker that
+    imported huggingface_hub with this same environment (its endpoint and cache are read at import)."""
+    if prefork.enabled():
+        return prefork.run([*SWARMLM, *args], env, CLI_TIMEOUT_S)
     return subprocess.run([*SWARMLM, *args], capture_output=True, text=True, timeout=CLI_TIMEOUT_S, env=env)
+
+
+@pytest.fixture(scope="module")
+def errors_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """What every error case's command runs with besides the local Hub: one Hub cache and one tag (marking every
+    process the commands start, so that none can hide) for all, so that they share one forker; the cases fail before
+    any weights are fetched, and run one after the other."""
+    return {"HF_HUB_CACHE": str(tmp_path_factory.mktemp("errors-cache")), RUN_TAG: uuid.uuid4().hex}
 
 
 ERRORS = [
@@ -304,12 +317,11 @@ ERRORS = [
 
 @pytest.mark.parametrize(("model", "env", "expected"), [e[1:] for e in ERRORS], ids=[e[0] for e in ERRORS])
 def test_hub_errors_are_one_line(
-    hub_env: LocalHub, tmp_path: Path, model: str, env: dict[str, str], expected: str
+    hub_env: LocalHub, errors_env: dict[str, str], model: str, env: dict[str, str], expected: str
 ) -> None:
-    tag = uuid.uuid4().hex  # marks every process this command starts, so that none can hide
-    environment = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "cache"), RUN_TAG: tag, **env}
-    result = run_cli(["serve", *model.split(), "--blocks", "0:1", "--new-swarm"], environment)
-    _, left = psutil.wait_procs(tagged(tag), timeout=10)
+    result = run_cli(["serve", *model.split(), "--blocks", "0:1", "--new-swarm"], {**os.environ, **errors_env, **env})
+    forkers = prefork.forker_pids()  # helpers that outlive every command by design (their environment has the tag)
+    _, left = psutil.wait_procs([p for p in tagged(errors_env[RUN_TAG]) if p.pid not in forkers], timeout=10)
     for process in left:  # fail, but leave nothing to the next tests
         process.kill()
     assert left == [], [process.cmdline() for process in left]

@@ -130,10 +130,10 @@ class Forker:
 
     def launch(
         self, args: Sequence[str], env: Mapping[str, str], cwd: str | None, process_group: bool,
-        split_errors: bool = False,
+        split_errors: bool = False, netns: str | None = None,
     ) -> ForkedProcess:  # fmt: skip
         """Fork a child running `args` (see can_fork), its output into a pipe (its errors too, or into a second pipe
-        with split_errors)."""
+        with split_errors), in network namespace `netns` if given."""
         pipes = [os.pipe() for _ in range(2 if split_errors else 1)]
         read_ends, write_ends = [r for r, _ in pipes], [w for _, w in pipes]
         with self._send_lock:
@@ -145,7 +145,7 @@ class Forker:
                 else {"script": os.path.abspath(args[1]), "argv": list(args[2:])}
             )
             request = {"number": number, **command, "env": dict(env), "cwd": cwd or os.getcwd(),
-                       "process_group": process_group, "split_errors": split_errors}  # fmt: skip
+                       "process_group": process_group, "split_errors": split_errors, "netns": netns}  # fmt: skip
             payload = json.dumps(request).encode()
             try:
                 socket.send_fds(self.sock, [_HEADER.pack(len(payload)) + payload], write_ends)
@@ -242,9 +242,10 @@ _forkers_lock = threading.Lock()
 
 def launch(
     args: Sequence[str], env: Mapping[str, str], cwd: str | None = None, process_group: bool = True,
-    split_errors: bool = False,
+    split_errors: bool = False, netns: str | None = None,
 ) -> Any:  # fmt: skip
-    """A forked `args` (see can_fork) with `env`, from the forker of that environment (started now if none is)."""
+    """A forked `args` (see can_fork) with `env`, from the forker of that environment (started now if none is);
+    netns: the network namespace (/run/netns/NAME) it runs in, as under `ip netns exec NAME`."""
     key = hashlib.sha256(json.dumps(sorted(_import_env(env).items())).encode()).hexdigest()
     idle: list[Forker] = []
     with _forkers_lock:
@@ -258,7 +259,7 @@ def launch(
             idle = [_forkers.pop(k) for k in keys]
     for old in idle:
         old.close()
-    return forker.launch(args, env, cwd, process_group, split_errors)
+    return forker.launch(args, env, cwd, process_group, split_errors, netns)
 
 
 def run(
@@ -374,6 +375,8 @@ def _child(sock: socket.socket, request: dict[str, Any], output: int, errors: in
         for stream in (sys.stdout, sys.stderr):
             if isinstance(stream, io.TextIOWrapper):
                 stream.reconfigure(line_buffering=True)
+        if request.get("netns"):
+            _enter_netns(request["netns"])
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
@@ -411,6 +414,21 @@ def _child(sock: socket.socket, request: dict[str, Any], output: int, errors: in
             sys.stderr.flush()
         finally:
             os._exit(code if isinstance(code, int) else 1)
+
+
+# setns(2)'s flag for a network namespace (<sched.h>)
+_CLONE_NEWNET = 0x40000000
+
+
+def _enter_netns(name: str) -> None:
+    """Move this process (just forked: its one thread) into the network namespace `name`, as `ip netns exec` does:
+    the sockets it opens, the threads it starts and the processes it starts live there."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open(f"/run/netns/{name}") as target:
+        if libc.setns(target.fileno(), _CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into the network namespace {name} failed")
 
 
 def _main() -> None:

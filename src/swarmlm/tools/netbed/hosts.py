@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from swarmlm.errors import SwarmError
+from swarmlm.tools import prefork
 from swarmlm.utils.processes import spawn_bound, start_spawner
 
 logger = logging.getLogger(__name__)
@@ -175,8 +176,12 @@ class NetBed:
         _run("tc", "qdisc", "replace", "dev", host.outer_device, "root", *shape)
 
     def spawn(self, host: Host, args: Sequence[str], **popen_kwargs: Any) -> subprocess.Popen:
-        """A process inside `host` that dies with this process (parent-death signal); killed by close()."""
-        process = spawn_bound(host.command(args), **popen_kwargs)
+        """A process inside `host` that dies with this process (parent-death signal); killed by close(). A server's
+        command line is forked into the namespace when servers are forked (tools/prefork.py), as LocalSwarm's are."""
+        if prefork.enabled() and prefork.can_fork(args) and set(popen_kwargs) <= {"stdout", "stderr", "env", "text"}:
+            process = prefork.launch(args, popen_kwargs.get("env") or os.environ, netns=host.name)
+        else:
+            process = spawn_bound(host.command(args), **popen_kwargs)
         self.processes.append(process)
         return process
 
