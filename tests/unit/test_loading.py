@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -412,35 +413,40 @@ def test_a_folder_converted_by_an_older_version_is_reused(tmp_path: Path, monkey
 # ---------------------------------------------------------------------------------- concurrent conversion, 2 processes
 
 
-def _resolve_in_child(gguf: str, cache: str, barrier: Any, results: Any) -> None:
-    """Child process: resolves `gguf` when every child is ready; reports the folder and how often it converted."""
+def _resolve_in_child(gguf: str, cache: str, converted: str, barrier: Any, results: Any) -> None:
+    """Child process: resolves `gguf` when every child is ready; reports the folder and how often it converted. Its
+    conversion writes the files of an earlier conversion of the same file, one at a time and slowly, so that the
+    other process meets a conversion in progress: what is under test is how two processes share one conversion (the
+    real one has test_bundled_model_converts_once)."""
     from swarmlm.models import loading as child_loading
 
     conversions = []
-    real_convert = child_loading._convert_gguf
 
-    def counting_convert(*args: Any) -> None:
+    def slow_convert(gguf: Path, out_dir: Path) -> None:
         conversions.append(1)
-        real_convert(*args)
+        for file in sorted(Path(converted).iterdir()):
+            if file.is_file() and file.name != SOURCE_FILE:
+                time.sleep(0.2)
+                shutil.copyfile(file, out_dir / file.name)
 
-    child_loading._convert_gguf = counting_convert
+    child_loading._convert_gguf = slow_convert
     barrier.wait(timeout=120)
     folder = child_loading.resolve_model(gguf, cache_dir=cache)
     results.put((str(folder), len(conversions)))
 
 
-def test_two_processes_convert_once_and_atomically(tmp_path: Path) -> None:
+def test_two_processes_convert_once_and_atomically(tmp_path: Path, smollm_dir: Path) -> None:
     cache = tmp_path / "cache"
-    context = multiprocessing.get_context("spawn")
+    # forked: the children run only resolve_model (no torch computation), and a spawned one would spend ~5 s of CPU
+    # importing what this process has imported already
+    context = multiprocessing.get_context("fork")
     barrier, results = context.Barrier(2), context.Queue()
-    children = [
-        context.Process(target=_resolve_in_child, args=(str(_bundled_gguf()), str(cache), barrier, results))
-        for _ in range(2)
-    ]
+    args = (str(_bundled_gguf()), str(cache), str(smollm_dir), barrier, results)
+    children = [context.Process(target=_resolve_in_child, args=args) for _ in range(2)]
     for child in children:
         child.start()
     try:
-        reports = [results.get(timeout=400) for _ in children]
+        reports = [results.get(timeout=120) for _ in children]
     finally:
         for child in children:
             child.join(timeout=60)
