@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 from swarmlm.errors import (
@@ -19,6 +20,13 @@ from swarmlm.errors import (
     UnreachablePeersError,
 )
 from swarmlm.version import __version__ as __version__
+
+# hivemind shares its futures' state between processes with torch's "file_system" strategy unless told otherwise (it
+# reads this variable once, when it is first imported): every process that makes such a future (each server, its DHT
+# process, each client) then starts a torch_shm_manager helper, ~0.15 s of CPU and one process more each. The
+# "file_descriptor" strategy, torch's own default on Linux, shares the same memory through descriptors with no helper.
+# A value set by the user stays
+os.environ.setdefault("HIVEMIND_MEMORY_SHARING_STRATEGY", "file_descriptor")
 
 if TYPE_CHECKING:
     from swarmlm.client.model import AutoDistributedModelForCausalLM

@@ -229,11 +229,18 @@ class Forker:
 
 # variables no import reads, and which change often: pytest names the running test in one
 _IGNORED_ENV = ("PYTEST_CURRENT_TEST",)
+# this project's own variables are read when its commands run, never when its modules are imported (an API key, the
+# request log's switch): a child sets them before it runs its command
+_IGNORED_PREFIX = "SWARMLM_"
 
 
 def _import_env(env: Mapping[str, str]) -> dict[str, str]:
     """The part of `env` that tells forkers apart: what imports might read."""
-    return {name: value for name, value in env.items() if name not in _IGNORED_ENV}
+    return {
+        name: value
+        for name, value in env.items()
+        if name not in _IGNORED_ENV and not (name.startswith(_IGNORED_PREFIX) and name != ENV_SWITCH)
+    }
 
 
 _forkers: dict[str, Forker] = {}
