@@ -139,7 +139,7 @@ class LocalSwarm:
         """Start one server's process (a hook: the emulated network starts each on its own host)."""
         # in a process group of its own: a Ctrl-C at the terminal reaches only the process that owns the swarm (the
         # chat's Ctrl-C stops an answer, not the servers), which stops the servers in order when it ends
-        if prefork.enabled() and prefork.can_fork(args) and set(popen_kwargs) <= {"stdout", "stderr", "env", "text"}:
+        if prefork.should_fork(args, popen_kwargs):
             # forked from a process that imported the server's code once (tools/prefork.py): seconds of CPU less
             return prefork.launch(args, popen_kwargs.get("env") or os.environ)
         return spawn_bound(args, process_group=0, **popen_kwargs)

@@ -37,7 +37,7 @@ from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
 from swarmlm.errors import SwarmError
-from swarmlm.utils.processes import set_parent_death_signal, spawn_bound
+from swarmlm.utils.processes import enter_network_namespace, set_parent_death_signal, spawn_bound
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,13 @@ MAX_FORKERS = 3
 
 def enabled() -> bool:
     return os.environ.get(ENV_SWITCH, "") == "1"
+
+
+def should_fork(args: Sequence[str], popen_kwargs: Mapping[str, Any]) -> bool:
+    """Whether a process asked for with these Popen arguments is forked rather than spawned: forking is on, the
+    command line is one a forker runs, and nothing is asked of the process that a forked child cannot give (its
+    output, errors, environment and text mode only)."""
+    return enabled() and can_fork(args) and set(popen_kwargs) <= {"stdout", "stderr", "env", "text"}
 
 
 def can_fork(args: Sequence[str]) -> bool:
@@ -423,19 +430,10 @@ def _child(sock: socket.socket, request: dict[str, Any], output: int, errors: in
             os._exit(code if isinstance(code, int) else 1)
 
 
-# setns(2)'s flag for a network namespace (<sched.h>)
-_CLONE_NEWNET = 0x40000000
-
-
 def _enter_netns(name: str) -> None:
-    """Move this process (just forked: its one thread) into the network namespace `name`, as `ip netns exec` does:
-    the sockets it opens, the threads it starts and the processes it starts live there."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
+    """Move this process (just forked: its one thread) into the network namespace `name`, as `ip netns exec` does."""
     with open(f"/run/netns/{name}") as target:
-        if libc.setns(target.fileno(), _CLONE_NEWNET) != 0:
-            raise OSError(ctypes.get_errno(), f"setns into the network namespace {name} failed")
+        enter_network_namespace(target.fileno())
 
 
 def _main() -> None:

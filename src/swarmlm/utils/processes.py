@@ -20,6 +20,18 @@ logger = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 # how often an orphan check runs in processes that cannot use prctl alone
 PARENT_POLL_INTERVAL_S = 0.25
+# setns(2)'s flag for a network namespace (<sched.h>)
+_CLONE_NEWNET = 0x40000000
+
+
+def enter_network_namespace(namespace_fd: int) -> None:
+    """Move the calling thread into the network namespace open at `namespace_fd` (a /run/netns/NAME file, or a
+    /proc/.../ns/net one): the sockets it opens, the threads it starts and the processes it starts live there.
+    OSError when the kernel refuses (it takes CAP_SYS_ADMIN)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setns(namespace_fd, _CLONE_NEWNET) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"setns into a network namespace failed: {os.strerror(errno)}")
 
 
 def set_parent_death_signal(sig: int = signal.SIGTERM) -> None:

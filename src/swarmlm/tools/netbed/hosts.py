@@ -12,7 +12,6 @@ not, for tests to skip. Everything made is removed by close(), also when creatio
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import logging
 import os
@@ -27,7 +26,7 @@ from typing import Any
 
 from swarmlm.errors import SwarmError
 from swarmlm.tools import prefork
-from swarmlm.utils.processes import spawn_bound, start_spawner
+from swarmlm.utils.processes import enter_network_namespace, spawn_bound, start_spawner
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +45,6 @@ TBF_LATENCY_MS = 200
 # names: "swlm<pid>x<n>h<i>" for namespaces, "swb<pid hex>x<n>" for bridges (interface names have 15 bytes at most)
 _NS_NAME = re.compile(r"^swlm(\d+)x(\d+)h(\d+)$")
 _BRIDGE_NAME = re.compile(r"^swb([0-9a-f]+)x([0-9a-f]+)$")
-_CLONE_NEWNET = 0x40000000
 _counter = itertools.count()
 _counter_lock = threading.Lock()
 
@@ -178,7 +176,7 @@ class NetBed:
     def spawn(self, host: Host, args: Sequence[str], **popen_kwargs: Any) -> subprocess.Popen:
         """A process inside `host` that dies with this process (parent-death signal); killed by close(). A server's
         command line is forked into the namespace when servers are forked (tools/prefork.py), as LocalSwarm's are."""
-        if prefork.enabled() and prefork.can_fork(args) and set(popen_kwargs) <= {"stdout", "stderr", "env", "text"}:
+        if prefork.should_fork(args, popen_kwargs):
             process = prefork.launch(args, popen_kwargs.get("env") or os.environ, netns=host.name)
         else:
             process = spawn_bound(host.command(args), **popen_kwargs)
@@ -190,15 +188,18 @@ class NetBed:
         """Run the block with this thread in `host`'s namespace: sockets it opens, threads it starts and processes
         it forks live there (and stay there after the block). The thread returns to its namespace afterwards."""
         start_spawner()  # the long-lived thread that forks servers must stay in this thread's own namespace
-        libc = ctypes.CDLL(None, use_errno=True)
         with open("/proc/thread-self/ns/net") as home, open(f"/run/netns/{host.name}") as target:
-            if libc.setns(target.fileno(), _CLONE_NEWNET) != 0:
-                raise SwarmError(f"setns into {host.name} failed: errno {ctypes.get_errno()}")
+            try:
+                enter_network_namespace(target.fileno())
+            except OSError as e:
+                raise SwarmError(f"cannot enter {host.name}: {e}") from e
             try:
                 yield
             finally:
-                if libc.setns(home.fileno(), _CLONE_NEWNET) != 0:
-                    raise SwarmError(f"setns back from {host.name} failed: errno {ctypes.get_errno()}")
+                try:
+                    enter_network_namespace(home.fileno())
+                except OSError as e:
+                    raise SwarmError(f"cannot return from {host.name}: {e}") from e
 
     def close(self) -> None:
         """Kill the bed's processes, then remove its namespaces and bridge (their veth pairs go with them)."""
