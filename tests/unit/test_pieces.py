@@ -116,7 +116,8 @@ def test_a_forward_runs_in_pieces_of_bounded_tokens_with_the_whole_spans_results
 ) -> None:
     """However large a forward, no piece of it computes more than the backend's piece_tokens at once (its activations
     stay bounded): groups of whole rows while a row fits (5 rows, 2 a piece: 3 pieces), else each row's positions in
-    chunks (11 positions, 4 a piece: 3 chunks for each of 5 rows), with padding, positions and per-row deep prompts."""
+    chunks (11 positions, 4 a piece: 3 chunks for each of 5 rows), with padding, positions, per-row deep prompts and
+    the request's own LoRA weights."""
     backend = SpanBackend(span, torch.float32, "cpu", 8192)
     backend._piece_tokens = piece_tokens
     generator = torch.Generator().manual_seed(1)
@@ -130,10 +131,13 @@ def test_a_forward_runs_in_pieces_of_bounded_tokens_with_the_whole_spans_results
         position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
         prompts=torch.randn(blocks, rows, PREFIX, hidden_size, generator=generator),
     )
+    _, lora = request(span, backward=False)
     with torch.inference_mode():
-        expected = span(inputs.hidden, attention_mask=mask, position_ids=inputs.position_ids, prompts=inputs.prompts)
+        expected = span(
+            inputs.hidden, attention_mask=mask, position_ids=inputs.position_ids, prompts=inputs.prompts, lora=lora
+        )
     for budgets in ([0], [SEQ * rows]):  # the scheduler's sizes never make a piece larger
-        (results, _), pieces = drive(backend._run_by_block(span.start, span.end, inputs, None), budgets)
+        (results, _), pieces = drive(backend._run_by_block(span.start, span.end, inputs, None, lora), budgets)
         valid = mask.bool()
         assert (results[0][valid] - expected[valid]).abs().max().item() <= 1e-5 * expected.abs().max().item()
         assert pieces == blocks * pieces_per_block
