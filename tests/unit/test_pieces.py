@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Generator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -136,11 +137,17 @@ def test_a_forward_runs_in_pieces_of_bounded_tokens_with_the_whole_spans_results
         expected = span(
             inputs.hidden, attention_mask=mask, position_ids=inputs.position_ids, prompts=inputs.prompts, lora=lora
         )
-    for budgets in ([0], [SEQ * rows]):  # the scheduler's sizes never make a piece larger
-        (results, _), pieces = drive(backend._run_by_block(span.start, span.end, inputs, None, lora), budgets)
+    for budgets, owned in (([0], False), ([SEQ * rows], True)):  # the scheduler's sizes never make a piece larger
+        sent = inputs.hidden.clone()
+        run = backend._run_by_block(span.start, span.end, replace(inputs, hidden=sent), None, lora, owned=owned)
+        (results, _), pieces = drive(run, budgets)
         valid = mask.bool()
         assert (results[0][valid] - expected[valid]).abs().max().item() <= 1e-5 * expected.abs().max().item()
         assert pieces == blocks * pieces_per_block
+        # each piece's output is written over its input: a request off the wire (owned) holds one copy of its hidden
+        # states, not its input, its output and the output's pieces; any other caller's input is left as it was
+        assert (results[0].data_ptr() == sent.data_ptr()) is owned
+        assert owned or torch.equal(sent, inputs.hidden)
     backend.shutdown()
 
 

@@ -52,7 +52,8 @@ class Keeping:
 class SpanWork:
     """A forward over blocks [start, end), or a backward when inputs carry grad_outputs: the work item the scheduler
     holds for it (SpanBackend.execute runs it). adapter: the LoRA adapter to apply (None: the base model); lora: the
-    request's own LoRA weights; keeping: a forward's graph to keep, or the kept graph a backward may run from."""
+    request's own LoRA weights; keeping: a forward's graph to keep, or the kept graph a backward may run from;
+    owned: the forward may compute in inputs.hidden's memory (its sender reads it no more: a request off the wire)."""
 
     start: int
     end: int
@@ -60,6 +61,7 @@ class SpanWork:
     adapter: str | None = None
     lora: LoraWeights | None = None
     keeping: Keeping | None = None
+    owned: bool = False
 
 
 @dataclass(frozen=True)
@@ -117,13 +119,14 @@ class SpanBackend:
 
     async def run(
         self, start: int, end: int, inputs: SpanTensors, peer: str = "", adapter: str | None = None,
-        lora: LoraWeights | None = None, keeping: Keeping | None = None, host: str = "",
+        lora: LoraWeights | None = None, keeping: Keeping | None = None, host: str = "", owned: bool = False,
     ) -> tuple[ReplyTensors, float]:  # fmt: skip
         """Forward: the reply's hidden states after blocks [start, end); backward (inputs.grad_outputs given): its
         grad_hidden, and grad_prompts / grad_lora when the request sent prompts / LoRA weights. Tensors come back in
         the sender's dtypes, with the compute time in ms. adapter: the LoRA adapter to apply (None: the base
         model); lora: the request's own LoRA weights (validated: server.validation.check_lora); keeping: a forward's
-        graph to keep, or the kept graph a backward may run from."""
+        graph to keep, or the kept graph a backward may run from; owned: the caller reads inputs.hidden no more, so a
+        forward may compute in its memory (else in a copy)."""
         kind = Kind.FORWARD if inputs.grad_outputs is None else Kind.BACKWARD
         # a block at a time: the scheduler runs waiting inference steps between blocks of a long request
         # requests of other peers over the same blocks and of the same shape may run joined with this one
@@ -134,7 +137,7 @@ class SpanBackend:
         from_graph = keeping is not None and kind is Kind.BACKWARD
         alone = inputs.hypo_ids is not None or adapter is not None or lora is not None or from_graph
         joinable = None if alone else JoinableRequest(start, end, inputs, peer)
-        work = SpanWork(start, end, inputs, adapter, lora, keeping)
+        work = SpanWork(start, end, inputs, adapter, lora, keeping, owned)
         result: tuple[ReplyTensors, float] = await self.scheduler.submit(kind, peer, work, join=joinable, host=host)
         return result
 
@@ -143,7 +146,7 @@ class SpanBackend:
         piece): its reply, named, and the compute time in ms."""
         if isinstance(work, SpanWork):
             results, compute_ms = yield from self._run_by_block(
-                work.start, work.end, work.inputs, work.adapter, work.lora, work.keeping
+                work.start, work.end, work.inputs, work.adapter, work.lora, work.keeping, work.owned
             )
             return _named(work.inputs, results), compute_ms
         (hidden,), compute_ms = yield from self._step(
@@ -164,7 +167,7 @@ class SpanBackend:
         """Requests joined along the batch dimension as one computation, a block at a time; each gets its own
         reply (and the shared compute time)."""
         start, end = requests[0].start, requests[0].end
-        results, compute_ms = yield from self._run_by_block(start, end, join(requests), None)
+        results, compute_ms = yield from self._run_by_block(start, end, join(requests), None, owned=True)
         kind = "backward" if requests[0].inputs.grad_outputs is not None else "forward"
         peers, tokens = len({r.peer for r in requests}), sum(r.tokens for r in requests)
         logger.debug("%s batch requests=%d peers=%d blocks=%d:%d tokens=%d %.1f ms", kind, len(requests), peers,
@@ -184,6 +187,7 @@ class SpanBackend:
         adapter: str | None,
         lora: LoraWeights | None = None,
         keeping: Keeping | None = None,
+        owned: bool = False,
     ) -> Generator[None, int | None, tuple[list[torch.Tensor], float]]:
         """The one computation of a span, in pieces (server.pieces: a block, or a chunk of a block's tokens, at a
         time, of the sizes the scheduler sends): its forward, then, when grad_outputs are given, the backward block
@@ -193,19 +197,27 @@ class SpanBackend:
         weights are hooked into a block only while it runs (models/lora.py).
 
         With keeping, a forward keeps its graphs in the activation cache, and a backward runs from the graphs its
-        forward kept when they are still there and of exactly these inputs (else it recomputes the forward)."""
+        forward kept when they are still there and of exactly these inputs (else it recomputes the forward).
+
+        A forward without a graph computes in place (server.pieces.forward_block): in inputs.hidden's own memory when
+        `owned` and it is already of the server's device and dtype (it holds the output afterwards), else in a copy.
+        A request off the wire then holds one copy of its hidden states while it runs, the size it was charged on
+        arrival, not its input, its output and the output's pieces."""
         backward = inputs.grad_outputs is not None
         spent = Spent()
         mask = None if inputs.attention_mask is None else inputs.attention_mask.to(self.device)
         positions = None if inputs.position_ids is None else inputs.position_ids.to(self.device)
         call = SpanCall(self.span, mask, positions, adapter, self._piece_tokens)
-        hidden = inputs.hidden.to(self.device, self.dtype)
+        hidden = inputs.hidden.detach().to(self.device, self.dtype)
         prompts = None if inputs.prompts is None else inputs.prompts.to(self.device, self.dtype)
         lora = None if lora is None else lora.with_flat(lora.flat.to(self.device))
         cache, forward_inputs = self.activations, replace(inputs, grad_outputs=None)
         tokens = hidden.shape[0] * hidden.shape[1]
         if keeping is not None and not backward and tokens * (end - start) * self._graph_bytes_per_token >= cache.cap:
             keeping = None  # its graph would not be kept (as the graphs so far measured): no need to build it
+        shared = hidden.untyped_storage().data_ptr() == inputs.hidden.untyped_storage().data_ptr()
+        if not backward and keeping is None and (not hidden.is_contiguous() or (shared and not owned)):
+            hidden = hidden.clone(memory_format=torch.contiguous_format)  # the forward computes in this memory
         kept = None
         if backward and keeping is not None:
             kept = cache.take(keeping.peer, keeping.key, start, end, adapter, forward_inputs)

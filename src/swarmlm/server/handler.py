@@ -116,7 +116,7 @@ class SpanHandler:
             try:
                 bundle, compute_ms = await self.backend.run(
                     header.start_block, header.end_block, inputs, peer, header.adapter, lora, keeping,
-                    host=self.inference.ledger.host(peer_id),
+                    host=self.inference.ledger.host(peer_id), owned=True,
                 )  # fmt: skip
             finally:
                 self.in_flight -= 1

@@ -150,42 +150,39 @@ def forward_block(
 ) -> Generator[None, int | None, torch.Tensor]:  # fmt: skip
     """Block `block` over hidden (rows, seq, hidden) without autograd, in chunks of the sizes sent and at most
     call.piece_tokens each: groups of whole rows while a row fits (rows are independent: no cache between them), a
-    row's positions in chunks when it does not; its output."""
+    row's positions in chunks when it does not. Each chunk's output is written over its input, which nothing reads
+    after it (the later chunks of a row read the earlier ones' keys and values from the cache): the block's output
+    is `hidden` itself, and a request holds one copy of its hidden states while it runs, not its input, its output
+    and the output's pieces."""
     rows, seq = hidden.shape[:2]
     group = rows if not call.piece_tokens else max(1, min(rows, call.piece_tokens // max(1, seq)))
-    if group == rows:
-        return (yield from _forward_rows(call, block, hidden, prompt, lora, spent))
     per_row = prompt is not None and prompt.dim() == 4 and prompt.shape[1] == rows  # (1, rows, prefix, hidden)
-    outputs = []
     for first in range(0, rows, group):
         stop = min(rows, first + group)
         rows_prompt = prompt[:, first:stop] if per_row and prompt is not None else prompt
-        rows_call, rows_hidden = call.rows(first, stop), hidden[first:stop]
-        outputs.append((yield from _forward_rows(rows_call, block, rows_hidden, rows_prompt, lora, spent)))
-    with torch.inference_mode():
-        return torch.cat(outputs, dim=0)
+        rows_call = call if group == rows else call.rows(first, stop)
+        yield from _forward_rows(rows_call, block, hidden[first:stop], rows_prompt, lora, spent)
+    return hidden
 
 
 def _forward_rows(
     call: SpanCall, block: int, hidden: torch.Tensor, prompt: torch.Tensor | None, lora: LoraWeights | None,
     spent: Spent,
-) -> Generator[None, int | None, torch.Tensor]:  # fmt: skip
-    """forward_block over all the rows of hidden at once, in chunks of positions."""
+) -> Generator[None, int | None, None]:  # fmt: skip
+    """forward_block over all the rows of hidden at once, in chunks of positions, each written over its input."""
     rows, seq = hidden.shape[:2]
-    cache, outputs, begin = DynamicCache(), list[torch.Tensor](), 0
-    while begin < seq or not outputs:
+    cache, begin = DynamicCache(), 0
+    while True:
         budget = yield
         if call.piece_tokens:
             budget = min(budget or call.piece_tokens, call.piece_tokens)
         stop = chunk_stop(begin, seq, rows, budget)
         with spent, torch.inference_mode():
-            whole = begin == 0 and stop == seq  # one chunk: no cache, as the block runs unchunked
-            outputs.append(call.run(hidden[:, begin:stop], block, begin, None if whole else cache, prompt, lora))
+            past = None if begin == 0 and stop == seq else cache  # one chunk: no cache, as the block runs unchunked
+            hidden[:, begin:stop] = call.run(hidden[:, begin:stop], block, begin, past, prompt, lora)
         begin = stop
-    if len(outputs) == 1:
-        return outputs[0]
-    with torch.inference_mode():
-        return torch.cat(outputs, dim=1)
+        if begin >= seq:
+            return
 
 
 def forward_block_graph(
