@@ -444,8 +444,10 @@ BURST_PEER_MB, BURST_TOTAL_MB = 20, 80  # the host may have 40 MB of requests bu
 # (each about its request's size), the copies a request and its reply pass through (frames, parsed parts, tensors),
 # and what the allocator keeps of freed blocks between two returns. Measured here: +370..+454 MB with glibc's arena per
 # thread, +235..+315 MB since the server's threads share one arena (server/memory.py share_one_arena), +224..+236 MB
-# since forwards run in bounded pieces (a 32k-token block run whole held ~120 MB of activations)
-BURST_MARGIN_MB = 300
+# since forwards run in bounded pieces (a 32k-token block run whole held ~120 MB of activations), +134..+158 MB since
+# a forward computes in its request's own memory (server/pieces.py) and a request is read straight into its tensors,
+# no part held longer than its copy (protocol/codec.py)
+BURST_MARGIN_MB = 200
 # after the burst, the server is back within RETURN_MARGIN_MB of its size before, in RETURN_DEADLINE_S at most
 # (server/memory.py: garbage collected and the allocator trimmed once the buffers empty, and again SETTLE_S later)
 RETURN_MARGIN_MB = 50

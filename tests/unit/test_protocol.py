@@ -252,3 +252,47 @@ def test_frames_are_hiveminds_bytes_written_in_one_call() -> None:
 
     got = asyncio.run(read_back())
     assert [message for message, _ in got[:-1]] == parts and got[-1][1].message == "done"
+
+
+def _resident_mb(field: str) -> float:
+    """VmRSS (now) or VmHWM (the peak since it was last reset) of this process, in MB."""
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith(field + ":"))
+    return int(line.split()[1]) / 1024
+
+
+def test_a_message_is_read_into_its_tensors_as_its_parts_arrive() -> None:
+    """Each part's bytes go straight into the tensor and the part is dropped: reading a 64 MiB message (parts made
+    as they are taken, as they arrive off a stream) peaks at about the tensor's size, not at its parts and its
+    tensor at once; and a sender that declares 64 MiB and sends one part makes the reader hold about that part."""
+    big = torch.randn(16, 1024, 1024)
+    header = ForwardRequest(start_block=0, end_block=1)
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")  # the peak (VmHWM) starts again from now
+    before = _resident_mb("VmRSS")
+    _, (received,) = asyncio.run(read_only_message(_aiter(encode(header, [big], runtime_pb2.ExpertRequest)),
+                                                   ForwardRequest, max_bytes=1 << 30))  # fmt: skip
+    peak = _resident_mb("VmHWM") - before
+    assert torch.equal(received, big)
+    assert peak < 64 + 24, f"reading a 64 MiB message peaked {peak:.0f} MB above where it began"
+    del received
+
+    async def stalled() -> float:
+        parts = encode(header, [big], runtime_pb2.ExpertRequest)
+        arrived: asyncio.Queue = asyncio.Queue()
+        for _ in range(2):
+            arrived.put_nowait(next(parts))
+
+        async def stream() -> AsyncIterator:
+            while True:
+                yield await arrived.get()
+
+        reading = asyncio.ensure_future(read_message(stream(), ForwardRequest, max_bytes=1 << 30))
+        start = _resident_mb("VmRSS")
+        await asyncio.sleep(0.1)  # the reader takes both parts and waits for the third
+        held = _resident_mb("VmRSS") - start
+        reading.cancel()
+        return held
+
+    held = asyncio.run(stalled())
+    assert held < 16, f"a message stalled after 2 of its 64 parts holds {held:.0f} MB"

@@ -28,11 +28,12 @@ def arrival_timeout(what: str, timeout_s: float) -> LimitError:
 async def arriving(parts: AsyncIterator[Part], timeout_s: float) -> AsyncGenerator[Part, None]:
     """The parts of `parts` for reading one message: the first whenever it comes, each later one within timeout_s of
     the one before (LimitError of kind "timeout" otherwise). Closing this iterator leaves `parts` open."""
-    first = await anext(parts, None)
-    if first is None:
+    part = await anext(parts, None)
+    if part is None:
         return
-    yield first
     while True:
+        yield part
+        del part  # the reader copies what it needs: a part (up to a megabyte) is not held while the next is awaited
         try:
             async with asyncio.timeout(timeout_s):
                 part = await anext(parts)
@@ -40,4 +41,3 @@ async def arriving(parts: AsyncIterator[Part], timeout_s: float) -> AsyncGenerat
             return
         except TimeoutError as e:
             raise arrival_timeout("the message", timeout_s) from e
-        yield part

@@ -142,8 +142,10 @@ class _Stream:
             if isinstance(item, ProtocolError):
                 raise item
             part, size = item
+            del item
             self.consumed += size
             yield part
+            del part  # not held while the next frame is awaited: the handler copies what it needs out of it
 
     def answered(self) -> None:
         """The handler's reply was written: the frames it read so far are done with."""
@@ -170,6 +172,7 @@ class _Stream:
                 await self.queue.put(item)
                 if item is None:
                     break
+                del item  # the handler has it: not held while the next frame arrives
         except _EndOfFrames:
             self.vanished = True
             await self.queue.put(None)

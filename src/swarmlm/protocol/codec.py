@@ -12,6 +12,8 @@ tensors as the header names them, not the scales.
 from __future__ import annotations
 
 import math
+import mmap
+from collections import deque
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import TypeAlias, TypeVar
 
@@ -109,8 +111,9 @@ async def read_message(
     if not isinstance(meta, dict) or set(meta) != {"header", "n_tensors"} or not isinstance(meta["n_tensors"], int):
         raise ProtocolError("message metadata must be {'header': ..., 'n_tensors': int}")
     header = parse_header(meta["header"], header_type)
-    tensors = await _read_tensors(first, parts, meta["n_tensors"], max_bytes, is_int8(header))
-    return header, tensors
+    chunks = _Chunks(first, parts, meta["n_tensors"])
+    del first  # its chunks hold it until they are taken
+    return header, await _read_tensors(chunks, meta["n_tensors"], max_bytes, is_int8(header))
 
 
 async def read_only_message(
@@ -138,55 +141,27 @@ async def drain(parts: AsyncIterator[Part], max_bytes: int) -> None:
             return
 
 
-async def _read_tensors(
-    first: Part, parts: AsyncIterator[Part], n_tensors: int, max_bytes: int, int8: bool
-) -> list[torch.Tensor]:
+async def _read_tensors(chunks: _Chunks, n_tensors: int, max_bytes: int, int8: bool) -> list[torch.Tensor]:
     if not 0 <= n_tensors <= MAX_TENSORS:
         raise ProtocolError(f"a message carries 0..{MAX_TENSORS} tensors, not {n_tensors}")
-    _check_part(first)
-    received = sum(len(chunk.buffer) for chunk in first.tensors)
-    chunks: list[runtime_pb2.Tensor | None] = list(first.tensors)
-    if received > max_bytes:
-        raise ProtocolError(f"message carries more than {max_bytes} bytes of tensors")
-
-    async def ensure(count: int) -> None:
-        # pull parts until at least `count` chunks of this message have arrived
-        nonlocal received
-        while len(chunks) < count:
-            part = await anext(parts, None)
-            if part is None:
-                raise ProtocolError(f"stream ended inside a message of {n_tensors} tensors")
-            _check_part(part)
-            chunks.extend(part.tensors)
-            received += sum(len(chunk.buffer) for chunk in part.tensors)
-            if received > max_bytes:
-                raise ProtocolError(f"message carries more than {max_bytes} bytes of tensors")
-
-    used, declared_total = 0, 0
+    declared_total = 0
 
     async def next_tensor(index: int) -> torch.Tensor:
-        # the next serialized tensor, checked against its declared size before it is decoded
-        nonlocal used, declared_total
-        await ensure(used + 1)
-        head = chunks[used]
-        if head is None:
-            raise RuntimeError("a decoded chunk was read again")
+        # the next serialized tensor, checked against its declared size before any of it is decoded, then read
+        # chunk by chunk into memory of that size as its parts arrive
+        nonlocal declared_total
+        head = await chunks.next()
         declared = _declared_bytes(head, index)
         declared_total += declared
         if declared_total > max_bytes:
             raise ProtocolError(f"message declares more than {max_bytes} bytes of tensors")
         if not 1 <= head.chunks <= declared // MIN_CHUNK_BYTES + 1:
             raise ProtocolError(f"tensor {index} of {declared} bytes declares {head.chunks} chunks")
-        await ensure(used + head.chunks)
-        body = [chunk for chunk in chunks[used : used + head.chunks] if chunk is not None]
-        if any(chunk.compression != runtime_pb2.CompressionType.NONE for chunk in body[1:]):
-            raise ProtocolError(f"tensor {index}: only its first chunk may say how it is compressed")
-        nbytes = sum(len(chunk.buffer) for chunk in body)
-        if nbytes not in _wire_sizes(head):
-            raise ProtocolError(f"tensor {index} cannot be decoded: its buffer does not match its shape and dtype")
-        chunks[used : used + head.chunks] = [None] * head.chunks  # decoded: the message no longer holds them
-        used += head.chunks
-        return _deserialize(body, nbytes, index)
+        filling = _Filling(head, declared, index)
+        del head  # a chunk holds its whole part: nothing keeps one longer than its bytes take to copy
+        for _ in range(filling.chunks - 1):
+            filling.add(await chunks.next(), first=False)
+        return filling.tensor()
 
     tensors = []
     for index in range(n_tensors):
@@ -196,9 +171,28 @@ async def _read_tensors(
                 raise ProtocolError(f"tensor {index}: int8 tensors travel only in messages whose header says int8")
             tensor = dequantize_rows(tensor, await next_tensor(index), index)
         tensors.append(tensor)
-    if len(chunks) != used:
+    if chunks.pending:
         raise ProtocolError(f"message carries more tensor chunks than its {n_tensors} tensors")
     return tensors
+
+
+class _Chunks:
+    """A message's serialized chunks in order, each pulled from the parts as it is needed (a part is dropped once its
+    chunks are taken)."""
+
+    def __init__(self, first: Part, parts: AsyncIterator[Part], n_tensors: int):
+        _check_part(first)
+        self.pending: deque[runtime_pb2.Tensor] = deque(first.tensors)
+        self.parts, self.n_tensors = parts, n_tensors
+
+    async def next(self) -> runtime_pb2.Tensor:
+        while not self.pending:
+            part = await anext(self.parts, None)
+            if part is None:
+                raise ProtocolError(f"stream ended inside a message of {self.n_tensors} tensors")
+            _check_part(part)
+            self.pending.extend(part.tensors)
+        return self.pending.popleft()
 
 
 def _check_part(part: Part) -> None:
@@ -217,11 +211,6 @@ def _declared_bytes(head: runtime_pb2.Tensor, index: int) -> int:
     return math.prod(head.size) * max(_WIRE_ITEM_BYTES[head.dtype])
 
 
-def _wire_sizes(head: runtime_pb2.Tensor) -> set[int]:
-    values = math.prod(head.size)
-    return {values * item for item in _WIRE_ITEM_BYTES[head.dtype]}
-
-
 # how each wire dtype reads back (bfloat16 also travels as float32: hivemind's legacy mode)
 _TORCH_DTYPES = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int64": torch.int64,
@@ -229,23 +218,58 @@ _TORCH_DTYPES = {
 }  # fmt: skip
 
 
-def _deserialize(chunks: list[runtime_pb2.Tensor], nbytes: int, index: int) -> torch.Tensor:
-    """A tensor from its chunks (nbytes of data in all, checked against its shape and dtype), copied once into the
-    tensor's own memory: hivemind's reader joins the chunks, copies the joined buffer out of the message and then
-    into a bytearray, holding about four times the tensor at its peak, which a server's byte budget never counted."""
-    head = chunks[0]
-    try:
-        data = torch.empty(nbytes, dtype=torch.uint8)
-        view, offset = memoryview(data.numpy()), 0  # type: ignore[arg-type]  # numpy arrays are buffers
-        for chunk in chunks:
-            buffer = chunk.buffer
-            view[offset : offset + len(buffer)] = buffer
-            offset += len(buffer)
-        numel = math.prod(head.size)
-        if head.dtype == "bfloat16" and numel and nbytes // numel == 4:
-            tensor = data.view(torch.float32).to(torch.bfloat16)
-        else:
-            tensor = data.view(_TORCH_DTYPES[head.dtype])
-        return tensor.reshape(tuple(head.size)).requires_grad_(head.requires_grad)
-    except (ValueError, TypeError, RuntimeError, KeyError) as e:
-        raise ProtocolError(f"tensor {index} cannot be decoded: {e}") from e
+# a tensor of at least this many bytes is read into memory mapped for it alone: its pages are touched (and counted in
+# the process's size) only as its bytes arrive, and go back to the system as soon as the tensor is freed, whatever
+# the allocator keeps. glibc's own threshold rises to the largest block freed so far, after which a burst of large
+# requests left their memory in its arenas: a server's RSS stayed twice what its byte budget counted
+MAPPED_BYTES = 1 << 20
+
+
+def _blank(nbytes: int) -> torch.Tensor:
+    """nbytes of uninitialized memory, as a uint8 tensor (mapped on its own from MAPPED_BYTES up)."""
+    if nbytes < MAPPED_BYTES:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    return torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE), dtype=torch.uint8)
+
+
+class _Filling:
+    """A tensor being read: its chunks' bytes copied in as they arrive, into memory of the size its first chunk
+    declares (nothing is held twice, and a chunk that would overflow it is refused before it is copied). It keeps
+    no chunk: each holds its whole part."""
+
+    def __init__(self, head: runtime_pb2.Tensor, declared: int, index: int):
+        self.index, self.chunks = index, head.chunks
+        self.dtype, self.shape, self.requires_grad = head.dtype, tuple(head.size), head.requires_grad
+        self.data = _blank(declared)
+        self.view = memoryview(self.data.numpy())  # type: ignore[arg-type]  # numpy arrays are buffers
+        self.filled = 0
+        self.add(head, first=True)
+
+    def add(self, chunk: runtime_pb2.Tensor, first: bool) -> None:
+        if not first and chunk.compression != runtime_pb2.CompressionType.NONE:
+            raise ProtocolError(f"tensor {self.index}: only its first chunk may say how it is compressed")
+        buffer = chunk.buffer  # a copy out of the message: taken once
+        end = self.filled + len(buffer)
+        if end > len(self.view):
+            raise self._mismatch()
+        self.view[self.filled : end] = buffer
+        self.filled = end
+
+    def tensor(self) -> torch.Tensor:
+        """The tensor, once all its chunks are in: its bytes checked against its shape and dtype."""
+        nbytes, numel = self.filled, math.prod(self.shape)
+        if nbytes not in {numel * item for item in _WIRE_ITEM_BYTES[self.dtype]}:
+            raise self._mismatch()
+        self.view.release()
+        try:
+            data = self.data[:nbytes]
+            if self.dtype == "bfloat16" and numel and nbytes // numel == 4:
+                tensor = data.view(torch.float32).to(torch.bfloat16)
+            else:
+                tensor = data.view(_TORCH_DTYPES[self.dtype])
+            return tensor.reshape(self.shape).requires_grad_(self.requires_grad)
+        except (ValueError, TypeError, RuntimeError, KeyError) as e:
+            raise ProtocolError(f"tensor {self.index} cannot be decoded: {e}") from e
+
+    def _mismatch(self) -> ProtocolError:
+        return ProtocolError(f"tensor {self.index} cannot be decoded: its buffer does not match its shape and dtype")
