@@ -459,7 +459,13 @@ def server_rss_mb(pid: int) -> float:
     return psutil.Process(pid).memory_info().rss / 1e6
 
 
-def test_a_burst_of_big_forwards_stays_within_the_buffer_bound_and_is_returned(tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("kind", ["forward", "backward"])
+def test_a_burst_of_big_forwards_stays_within_the_buffer_bound_and_is_returned(
+    tiny_model_dir: Path, kind: str
+) -> None:
+    """Also for backwards, whose recomputed forward builds autograd graphs of ~16 times their input per block: one
+    such computation runs at a time, and a large one keeps its blocks' inputs rather than their graphs (with the
+    graphs of two 32k-token backwards interleaved, the server grew by more than a GB)."""
     from tests.integration.test_public_swarm import Peers  # imported here: that module imports this one
 
     extra_args = [
@@ -481,7 +487,9 @@ def test_a_burst_of_big_forwards_stays_within_the_buffer_bound_and_is_returned(t
             sampler = threading.Thread(target=sample, daemon=True)
             sampler.start()
             try:
-                answers = peers.forwards(BURST_FORWARDS_PER_ID, torch.randn(BURST_ROWS, BURST_SEQ, 64))
+                hidden = torch.randn(BURST_ROWS, BURST_SEQ, 64)
+                grad = torch.randn(BURST_ROWS, BURST_SEQ, 64) if kind == "backward" else None
+                answers = peers.forwards(BURST_FORWARDS_PER_ID, hidden, grad)
             finally:
                 stop.set()
                 sampler.join()
@@ -492,7 +500,7 @@ def test_a_burst_of_big_forwards_stays_within_the_buffer_bound_and_is_returned(t
         finally:
             peers.close()
         bound_mb = BURST_TOTAL_MB * 0.5  # this host's share of the buffers (--host-share 0.5)
-        print(f"\nburst: {answers.count(True)} of {len(answers)} forwards answered; server RSS {before:.0f} MB "
+        print(f"\n{kind} burst: {answers.count(True)} of {len(answers)} forwards answered; server RSS {before:.0f} MB "
               f"before, peak +{max(peak) - before:.0f} MB (bound {bound_mb:.0f} + margin {BURST_MARGIN_MB}), "
               f"+{held:.0f} MB {time.monotonic() - ended:.1f} s after")  # fmt: skip
         assert any(answers)  # the burst was served, not only refused

@@ -31,7 +31,7 @@ from swarmlm.client.loop import LoopThread
 from swarmlm.models.naming import model_name
 from swarmlm.protocol import service
 from swarmlm.protocol.codec import encode, read_message
-from swarmlm.protocol.messages import ForwardRequest, ReplyHeader
+from swarmlm.protocol.messages import BackwardRequest, ForwardRequest, ReplyHeader
 from swarmlm.swarm.identity import SIGNATURE_MARK, PeerIdSignatureValidator, _signed_bytes, peer_id_bytes
 from swarmlm.swarm.records import servers_key
 from swarmlm.tools.local_swarm import LocalSwarm
@@ -77,12 +77,13 @@ class Peers:
 
         self.p2ps = self.loop.run(create_all())
 
-    async def _forward(self, p2p: P2P, header: ForwardRequest, hidden: torch.Tensor) -> ReplyHeader | None:
+    async def _forward(self, p2p: P2P, header: ForwardRequest, *tensors: torch.Tensor) -> ReplyHeader | None:
         async def parts():  # an async generator of request parts
-            for part in encode(header, [hidden], runtime_pb2.ExpertRequest):
+            for part in encode(header, tensors, runtime_pb2.ExpertRequest):
                 yield part
 
-        replies = await service.stub(p2p, self.server).rpc_forward(parts())
+        stub = service.stub(p2p, self.server)
+        replies = await (stub.rpc_backward if isinstance(header, BackwardRequest) else stub.rpc_forward)(parts())
         message = await read_message(replies, ReplyHeader, max_bytes=1 << 28)
         return None if message is None else message[0]
 
@@ -105,15 +106,19 @@ class Peers:
 
         return self.loop.run(all_peers())
 
-    def forwards(self, count: int, hidden: torch.Tensor) -> list[bool]:
-        """Each peer sends `count` forwards of `hidden` at once (all peers together); whether each was answered
-        (a refusal, or a stream the server cut, is not)."""
+    def forwards(self, count: int, hidden: torch.Tensor, grad_outputs: torch.Tensor | None = None) -> list[bool]:
+        """Each peer sends `count` forwards of `hidden` (backwards, with grad_outputs) at once (all peers together);
+        whether each was answered (a refusal, or a stream the server cut, is not)."""
 
-        header = ForwardRequest(start_block=0, end_block=5)
+        if grad_outputs is None:
+            header, tensors = ForwardRequest(start_block=0, end_block=5), [hidden]
+        else:
+            header = BackwardRequest(start_block=0, end_block=5, tensors=["hidden", "grad_outputs"])
+            tensors = [hidden, grad_outputs]
 
         async def one(p2p: P2P) -> bool:
             try:
-                reply = await asyncio.wait_for(self._forward(p2p, header, hidden), 120)
+                reply = await asyncio.wait_for(self._forward(p2p, header, *tensors), 120)
             except (ConnectionError, asyncio.IncompleteReadError):
                 return False  # cut off while it was sending or waiting
             return reply is not None and reply.ok

@@ -82,9 +82,12 @@ def whole_span(span: SpanModel, inputs: SpanTensors, lora: LoraWeights) -> list[
         return list(torch.autograd.grad(output, leaves, grad_outputs=inputs.grad_outputs))
 
 
-@pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
-def test_chunks_of_any_size_give_the_whole_spans_results(span: SpanModel, backward: bool) -> None:
+@pytest.mark.parametrize(("backward", "checkpointed"), [(False, False), (True, False), (True, True)],
+                         ids=["forward", "backward", "backward-checkpointed"])  # fmt: skip
+def test_chunks_of_any_size_give_the_whole_spans_results(span: SpanModel, backward: bool, checkpointed: bool) -> None:
     backend = SpanBackend(span, torch.float32, "cpu", 8192)
+    if checkpointed:
+        backend._recompute_graph_bytes = 0  # every backward keeps its blocks' inputs, not their graphs
     inputs, lora = request(span, backward)
     expected = whole_span(span, inputs, lora)
     rows_valid = inputs.attention_mask.bool() if inputs.attention_mask is not None else None
@@ -97,7 +100,10 @@ def test_chunks_of_any_size_give_the_whole_spans_results(span: SpanModel, backwa
             if result.shape[:2] == (ROWS, SEQ) and rows_valid is not None:  # padded positions are never read
                 result, reference = result[rows_valid], reference[rows_valid]
             assert (result - reference).abs().max().item() <= 1e-5 * max(1.0, reference.abs().max().item())
-    assert counts[0] == (span.end - span.start) * (2 if backward else 1)  # a block at a time
+    blocks = span.end - span.start
+    # a block at a time; a checkpointed backward runs the forward of every block but the last without a graph, then
+    # rebuilds each block's graph and runs its backward, from the last block
+    assert counts[0] == (blocks - 1 + 2 * blocks if checkpointed else blocks * (2 if backward else 1))
     assert counts[1] >= 2.5 * counts[0] and counts[2] == counts[0] * SEQ  # chunks of blocks
     backend.shutdown()
 
@@ -148,6 +154,42 @@ def test_a_forward_runs_in_pieces_of_bounded_tokens_with_the_whole_spans_results
         # states, not its input, its output and the output's pieces; any other caller's input is left as it was
         assert (results[0].data_ptr() == sent.data_ptr()) is owned
         assert owned or torch.equal(sent, inputs.hidden)
+    backend.shutdown()
+
+
+def test_a_recomputed_backward_builds_a_group_of_rows_graph_at_a_time_with_the_whole_spans_gradients(
+    span: SpanModel,
+) -> None:
+    """A backward with no kept graph keeps each block's input, not its graph, then rebuilds each block's graph a
+    group of rows at a time (5 rows, 2 a piece: 3 groups), each taken by its backward before the next is built: the
+    gradients wrt the input, the per-row deep prompts and the LoRA weights are those of autograd through the whole
+    span, with padding and positions."""
+    backend = SpanBackend(span, torch.float32, "cpu", 8192)
+    backend._piece_tokens = 2 * SEQ
+    backend._recompute_graph_bytes = 0  # as a large request's backward would
+    generator = torch.Generator().manual_seed(2)
+    rows, hidden_size, blocks = 5, span.config.hidden_size, span.end - span.start
+    mask = torch.ones(rows, SEQ, dtype=torch.long)
+    mask[2, :4] = 0
+    _, lora = request(span, backward=False)
+    inputs = SpanTensors(
+        torch.randn(rows, SEQ, hidden_size, generator=generator),
+        grad_outputs=torch.randn(rows, SEQ, hidden_size, generator=generator) * mask.unsqueeze(-1),
+        attention_mask=mask,
+        position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+        prompts=torch.randn(blocks, rows, PREFIX, hidden_size, generator=generator),
+    )
+    expected = whole_span(span, inputs, lora)
+    sent = inputs.hidden.clone()
+    (results, _), pieces = drive(backend._run_by_block(span.start, span.end, inputs, None, lora), [0])
+    assert torch.equal(inputs.hidden, sent)  # the request's input is not written over
+    valid = mask.bool()
+    for index, (result, reference) in enumerate(zip(results, expected, strict=True)):
+        if index == 0:
+            result, reference = result[valid], reference[valid]
+        assert (result - reference).abs().max().item() <= 1e-5 * max(1.0, reference.abs().max().item())
+    # the blocks but the last forward without a graph, then each block's 3 groups: a graph, then its backward
+    assert pieces == (blocks - 1) * 3 + blocks * 3 * 2
     backend.shutdown()
 
 

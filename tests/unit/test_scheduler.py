@@ -542,3 +542,42 @@ def test_a_fresh_sessions_long_prompt_runs_in_quanta_while_sessions_decode() -> 
     step = decode()
     state.track(step, 0.0)
     assert schedule([long], state, limits, 0.1) == Decision([long], quantum=256)
+
+
+def test_one_computation_that_builds_graphs_is_started_at_a_time_while_other_work_interleaves() -> None:
+    """Backwards (and forwards that keep their graph) hold autograd graphs growing with their progress: three of
+    them, from three hosts, run one after another, each to its end once started, while a plain forward of a fourth
+    host takes its turns in between them."""
+    order: list[str] = []
+
+    def computation(name: str):  # a generator, as SpanBackend._run_by_block
+        def run():
+            for block in range(3):
+                yield
+                order.append(f"{name}{block}")
+            return name
+
+        return run
+
+    async def main() -> list[object]:
+        scheduler = Scheduler(ThreadPoolExecutor(1), call, lambda steps: [], LIMITS)
+        release = threading.Event()
+        busy = asyncio.ensure_future(hold(scheduler, release))
+        await asyncio.sleep(0.05)  # the compute thread is busy: everything below waits in the queue together
+        runs = [
+            asyncio.ensure_future(
+                scheduler.submit(Kind.BACKWARD, f"p{i}", computation(name), host=f"10.0.0.{i}", exclusive=True)
+            )  # fmt: skip
+            for i, name in enumerate("abc")
+        ]
+        runs.append(asyncio.ensure_future(scheduler.submit(Kind.FORWARD, "p9", computation("f"), host="10.0.0.9")))
+        await asyncio.sleep(0.05)
+        release.set()
+        await busy
+        return list(await asyncio.gather(*runs))
+
+    assert asyncio.run(main()) == ["a", "b", "c", "f"]
+    graphs = [step for step in order if step[0] != "f"]
+    assert graphs == ["a0", "a1", "a2", "b0", "b1", "b2", "c0", "c1", "c2"]  # never two started at once
+    first, last = order.index("a0"), order.index("c2")
+    assert any(first < order.index(f"f{block}") < last for block in range(3))  # the plain forward ran in between

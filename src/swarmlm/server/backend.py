@@ -23,10 +23,13 @@ from swarmlm.protocol.lora import LoraWeights
 from swarmlm.server.activations import ActivationCache
 from swarmlm.server.joining import JoinableRequest, join, split
 from swarmlm.server.pieces import (
+    PIECE_BYTES,
+    RECOMPUTE_GRAPH_BYTES,
     BlockGraph,
     SpanCall,
     Spent,
     backward_block,
+    backward_rows,
     forward_block,
     forward_block_graph,
     piece_tokens,
@@ -101,6 +104,7 @@ class SpanBackend:
         config = span.config
         # the most tokens a forward's piece runs at once: its activations stay bounded (server/pieces.py)
         self._piece_tokens = piece_tokens(config, dtype)
+        self._recompute_graph_bytes = RECOMPUTE_GRAPH_BYTES
         self.limits = SpanLimits(
             start=span.start,
             end=span.end,
@@ -138,7 +142,10 @@ class SpanBackend:
         alone = inputs.hypo_ids is not None or adapter is not None or lora is not None or from_graph
         joinable = None if alone else JoinableRequest(start, end, inputs, peer)
         work = SpanWork(start, end, inputs, adapter, lora, keeping, owned)
-        result: tuple[ReplyTensors, float] = await self.scheduler.submit(kind, peer, work, join=joinable, host=host)
+        graphs = kind is Kind.BACKWARD or keeping is not None  # it builds autograd graphs (or runs from them)
+        result: tuple[ReplyTensors, float] = await self.scheduler.submit(
+            kind, peer, work, join=joinable, host=host, exclusive=graphs
+        )
         return result
 
     def execute(self, work: SpanWork | StepWork) -> Pieces:
@@ -226,10 +233,22 @@ class SpanBackend:
                         keeping.peer[-6:], how, len(cache), cache.nbytes / 1e6)  # fmt: skip
         graphs: list[BlockGraph] = kept or []
         graphs_bytes = 0  # what the graphs built so far hold
+        # a recomputed backward whose graphs would exceed RECOMPUTE_GRAPH_BYTES keeps only each block's input, and
+        # rebuilds each block's graph a group of rows at a time for its backward (server.pieces.backward_rows): the
+        # graphs of a whole span hold ~16 times the request's size per block. A smaller one builds them all at once,
+        # one forward less
+        estimate = tokens * (end - start) * PIECE_BYTES / max(1, self._piece_tokens)
+        checkpointed = backward and kept is None and estimate > self._recompute_graph_bytes
+        block_inputs: list[torch.Tensor] = []  # a checkpointed backward's: each block's input
         for block in range(start, end) if kept is None else ():
             prompt = None if prompts is None else prompts[block - start : block - start + 1]
             block_lora = None if lora is None else lora.blocks(block, block + 1)
-            if backward or keeping is not None:
+            if checkpointed:
+                block_inputs.append(hidden)
+                if block < end - 1:
+                    hidden = hidden.clone()
+                    yield from forward_block(call, block, hidden, prompt, block_lora, spent)
+            elif backward or keeping is not None:
                 hidden, graph = yield from forward_block_graph(call, block, hidden, prompt, block_lora, spent)
                 graphs.append(graph)
                 nbytes = graph.nbytes
@@ -246,8 +265,15 @@ class SpanBackend:
         grad = inputs.grad_outputs.to(self.device, self.dtype)
         prompt_grads: list[torch.Tensor] = []
         lora_grads: list[torch.Tensor] = []
-        for graph in reversed(graphs):
-            grad, prompt_grad, lora_grad = yield from backward_block(graph, grad, spent)
+        for block in reversed(range(start, end)):
+            if graphs:
+                grad, prompt_grad, lora_grad = yield from backward_block(graphs[block - start], grad, spent)
+            else:
+                prompt = None if prompts is None else prompts[block - start : block - start + 1]
+                block_lora = None if lora is None else lora.blocks(block, block + 1)
+                grad, prompt_grad, lora_grad = yield from backward_rows(
+                    call, block, block_inputs.pop(), grad, prompt, block_lora, spent
+                )
             if prompt_grad is not None:
                 prompt_grads.insert(0, prompt_grad)
             if lora_grad is not None:

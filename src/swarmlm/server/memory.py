@@ -120,6 +120,11 @@ class MemoryReturn:
         if emptied or self._released_bytes >= RETURN_EVERY_BYTES:
             self._ask()
 
+    def computed(self) -> None:
+        """A computation that held memory of its own (autograd graphs, many times its request's size) has ended:
+        return memory, as after a burst (its end need not coincide with the buffers emptying)."""
+        self._ask()
+
     def _ask(self) -> None:
         self._asked = True
         if self._settling is not None:

@@ -124,6 +124,9 @@ class Scheduler:
         self.joined_requests = 0  # requests that ran in those computations
         self.depth = DepthMeter()  # turns a new request waits for, averaged over time (announced in the record)
         self._arrived = asyncio.Event()
+        # called (on the event loop) when an exclusive task has ended, answered, failed or dropped: what its graphs
+        # held is free, and the server hands it back (server/memory.py)
+        self.on_exclusive_done: Callable[[], None] | None = None
 
     @property
     def last_served(self) -> dict[str, int]:
@@ -146,16 +149,18 @@ class Scheduler:
 
     async def submit(
         self, kind: Kind, peer: str, item: Any, decode: DecodeStep | None = None, join: JoinableRequest | None = None,
-        host: str = "",
+        host: str = "", exclusive: bool = False,
     ) -> Any:  # fmt: skip
         """Queue a request of `peer` (of `host`: turns go round hosts first), `item` (what `execute` runs), and wait
-        for its result (or its exception)."""
+        for its result (or its exception). exclusive: its memory grows as it runs (Task.exclusive)."""
         loop = asyncio.get_running_loop()
         self._arrivals += 1
         future: asyncio.Future[Any] = loop.create_future()
         join = join if self.run_joined else None
         work = Work(item, self.execute, future)
-        task = Task(kind, peer, self._arrivals, decode, join, arrived=self.clock(), work=work, host=host)
+        task = Task(
+            kind, peer, self._arrivals, decode, join, arrived=self.clock(), work=work, host=host, exclusive=exclusive
+        )
         if decode is not None and not decode.prompt:  # a session's rhythm is that of its decode steps
             self.state.track(decode, task.arrived)
         self.queue.append(task)
@@ -196,6 +201,8 @@ class Scheduler:
         for task in decision.batch:
             self.queue.remove(task)
         batch = [task for task in decision.batch if _wanted(task)]
+        if any(task.exclusive and task.started and task not in batch for task in decision.batch):
+            self._exclusive_done()  # a started computation nobody waits for any more is dropped with its graphs
         if len(batch) > 1 and batch[0].join is not None:
             batch = [self._merge(batch)]
         return batch
@@ -215,6 +222,8 @@ class Scheduler:
             results = await loop.run_in_executor(self.executor, self._execute, batch, quantum)
         except BaseException as e:  # every waiting caller gets the failure, then the loop goes on
             _fail(batch, e)
+            if batch[0].exclusive:
+                self._exclusive_done()
             if isinstance(e, asyncio.CancelledError):
                 raise
             return
@@ -223,10 +232,16 @@ class Scheduler:
         if results is _UNFINISHED:
             self.queue.append(batch[0])  # its next quantum waits for its turn like any other task
             return
+        if batch[0].exclusive:
+            self._exclusive_done()
         for task, result in zip(batch, results, strict=True):
             future = _work(task).future
             if future is not None and not future.done():
                 future.set_result(result)
+
+    def _exclusive_done(self) -> None:
+        if self.on_exclusive_done is not None:
+            self.on_exclusive_done()
 
     def _merge(self, batch: list[Task]) -> Task:
         """One task running the joined requests of `batch`; its result (a list, one per request) goes to theirs."""
@@ -235,7 +250,7 @@ class Scheduler:
         joins, head = [task.join for task in batch if task.join is not None], batch[0]
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         joined = Work(joins, self.run_joined, future, members=batch)
-        merged = Task(head.kind, head.peer, head.seq, work=joined, host=head.host)
+        merged = Task(head.kind, head.peer, head.seq, work=joined, host=head.host, exclusive=head.exclusive)
 
         def hand_out(done: asyncio.Future[Any]) -> None:
             for index, task in enumerate(batch):

@@ -97,6 +97,9 @@ class Task:
     started: bool = False
     work: Work | None = field(default=None, repr=False)  # what the executor runs; no decision reads it
     host: str = ""  # the peer's host (server.fairness.host_of): turns go round hosts first, then their peers
+    # a computation whose memory grows as it runs (autograd graphs: a backward, a forward that keeps its graph):
+    # only one such is started at a time, the others wait unstarted, holding only their requests (see schedule)
+    exclusive: bool = False
 
 
 @dataclass(frozen=True)
@@ -361,6 +364,10 @@ def schedule(queue: Sequence[Task], state: SchedulerState, limits: BatchLimits, 
     cohort, and the size of a long task's next quantum. While short steps and long work both wait, they take turns
     (LONG_TURNS quanta of long work per short batch): a flood of either leaves the other a good share of the compute
     thread, and a short step waits for at most LONG_TURNS quanta. Reads the queue and the state, changes neither."""
+    if any(task.exclusive and task.started for task in queue):
+        # one computation that builds autograd graphs at a time: interleaved, each would hold its graphs (many times
+        # its request's size) while the others run, so a burst of them from many peer ids would hold them all
+        queue = [task for task in queue if task.started or not task.exclusive]
     everything, long = queue, [task for task in queue if task.kind in LONG_KINDS]
     if long and state.long_turns < LONG_TURNS and len(long) < len(queue):
         queue = long  # long work's turn: decided as if only it waited (the quantum's size sees everything)

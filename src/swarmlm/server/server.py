@@ -346,6 +346,7 @@ class Server:
             streams_total=cfg.max_streams, host_share=cfg.host_share, reclaim_idle_s=cfg.reclaim_idle_s,
         )  # fmt: skip
         ledger = PeerLedger(peer_limits)
+        self.backend.scheduler.on_exclusive_done = ledger.memory_return.computed
         self.budget = CacheBudget(self.cache_block_tokens)
         self.inference = InferenceSessions(
             self.backend,
