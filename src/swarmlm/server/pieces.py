@@ -16,7 +16,7 @@ bounded.
 from __future__ import annotations
 
 import time
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field, replace
 from types import TracebackType
 
@@ -160,15 +160,29 @@ def forward_block(
     after it (the later chunks of a row read the earlier ones' keys and values from the cache): the block's output
     is `hidden` itself, and a request holds one copy of its hidden states while it runs, not its input, its output
     and the output's pieces."""
+    for first, stop, rows_call, rows_prompt in _row_groups(call, hidden, prompt):
+        yield from _forward_rows(rows_call, block, hidden[first:stop], rows_prompt, lora, spent)
+    return hidden
+
+
+def _per_row(prompt: torch.Tensor | None, rows: int) -> bool:
+    """Whether a block's deep prompt is one per row, (1, rows, prefix, hidden), rather than shared."""
+    return prompt is not None and prompt.dim() == 4 and prompt.shape[1] == rows
+
+
+def _row_groups(
+    call: SpanCall, hidden: torch.Tensor, prompt: torch.Tensor | None
+) -> Iterator[tuple[int, int, SpanCall, torch.Tensor | None]]:
+    """The groups of whole rows [first, stop) that a block's work over hidden (rows, seq, hidden) runs in, as many
+    rows as call.piece_tokens allows (at least one), each with its call and its deep prompt (a per-row prompt's
+    rows, a shared prompt whole)."""
     rows, seq = hidden.shape[:2]
     group = rows if not call.piece_tokens else max(1, min(rows, call.piece_tokens // max(1, seq)))
-    per_row = prompt is not None and prompt.dim() == 4 and prompt.shape[1] == rows  # (1, rows, prefix, hidden)
+    per_row = _per_row(prompt, rows)
     for first in range(0, rows, group):
         stop = min(rows, first + group)
         rows_prompt = prompt[:, first:stop] if per_row and prompt is not None else prompt
-        rows_call = call if group == rows else call.rows(first, stop)
-        yield from _forward_rows(rows_call, block, hidden[first:stop], rows_prompt, lora, spent)
-    return hidden
+        yield first, stop, (call if group == rows else call.rows(first, stop)), rows_prompt
 
 
 def _forward_rows(
@@ -276,17 +290,12 @@ def backward_rows(
     held at once is a group's, whatever the request's size (a row longer than a piece is one group). Rows are
     independent in a block, so each group's input gradient is its rows'; the gradients wrt a shared prompt and the
     LoRA weights are summed over the groups, a per-row prompt's gathered by rows."""
-    rows, seq = hidden.shape[:2]
-    group = rows if not call.piece_tokens else max(1, min(rows, call.piece_tokens // max(1, seq)))
-    per_row = prompt is not None and prompt.dim() == 4 and prompt.shape[1] == rows  # (1, rows, prefix, hidden)
+    per_row = _per_row(prompt, hidden.shape[0])
     grad_input = torch.empty_like(grad)
     row_prompt_grads: list[torch.Tensor] = []
     prompt_grad: torch.Tensor | None = None
     lora_grad: torch.Tensor | None = None
-    for first in range(0, rows, group):
-        stop = min(rows, first + group)
-        rows_prompt = prompt[:, first:stop] if per_row and prompt is not None else prompt
-        rows_call = call if group == rows else call.rows(first, stop)
+    for first, stop, rows_call, rows_prompt in _row_groups(call, hidden, prompt):
         _, graph = yield from forward_block_graph(rows_call, block, hidden[first:stop], rows_prompt, lora, spent)
         rows_grad, rows_prompt_grad, rows_lora_grad = yield from backward_block(graph, grad[first:stop], spent)
         del graph  # before the next group's is built
