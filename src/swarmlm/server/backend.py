@@ -142,9 +142,9 @@ class SpanBackend:
         alone = inputs.hypo_ids is not None or adapter is not None or lora is not None or from_graph
         joinable = None if alone else JoinableRequest(start, end, inputs, peer)
         work = SpanWork(start, end, inputs, adapter, lora, keeping, owned)
-        graphs = kind is Kind.BACKWARD or keeping is not None  # it builds autograd graphs (or runs from them)
+        builds_graphs = kind is Kind.BACKWARD or keeping is not None  # it builds autograd graphs (or runs from them)
         result: tuple[ReplyTensors, float] = await self.scheduler.submit(
-            kind, peer, work, join=joinable, host=host, exclusive=graphs
+            kind, peer, work, join=joinable, host=host, exclusive=builds_graphs
         )
         return result
 
